@@ -1,0 +1,1 @@
+"""a2d deployments."""

@@ -1,0 +1,208 @@
+"""The `a2d` command line: run, ls, show, verify, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from flows.config import STAGES, ConfigError, load_config
+
+DEFAULT_STORE = "./a2d-store"
+
+
+def _store_arg(args: argparse.Namespace) -> str:
+    return args.store or os.environ.get("A2D_STORE") or DEFAULT_STORE
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(n)
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import plan, stages_until
+
+    overrides = list(args.set or [])
+    if args.store:
+        overrides.append(f"store={args.store}")
+    elif os.environ.get("A2D_STORE"):
+        overrides.append(f"store={os.environ['A2D_STORE']}")
+    config = load_config(args.config, overrides)
+    until = args.until or STAGES[-1]
+    stages_until(until)
+    start = time.perf_counter()
+    # The store decides reuse: when every artifact is already complete, no flow (and no
+    # Prefect server) needs to start at all.
+    from stores.artifacts import ArtifactStore
+
+    store = ArtifactStore(config.store)
+    refs = plan(config, until)
+    if all(store.is_complete(r) for r in refs.values()):
+        for stage, ref in refs.items():
+            print(f"reuse {stage:<12} {ref.key}  (complete at {ref.uri})")
+    else:
+        from flows.pipeline import pipeline
+
+        refs = pipeline(config, until)
+    rows = [store.describe(r) | {"size": _human(store.describe(r)["bytes"])} for r in refs.values()]
+    print(_table(rows, ["stage", "key", "complete", "rows", "tokens", "size"]))
+    print(f"done in {time.perf_counter() - start:.1f} s; store {store.root.uri}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from stores.artifacts import ArtifactStore
+
+    store = ArtifactStore(_store_arg(args))
+    rows = [store.describe(r) for r in store.iter_refs(args.stage)]
+    rows.sort(key=lambda r: (STAGES.index(r["stage"]) if r["stage"] in STAGES else 99, r["created"] or ""))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        r["state"] = "complete" if r["complete"] else "partial"
+        r["shards"] = f"{r['shards_done']}/{r['shards_total']}"
+        r["size"] = _human(r["bytes"])
+    print(_table(rows, ["stage", "key", "state", "shards", "size", "created"]) if rows else "no artifacts")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from stores.artifacts import ArtifactStore
+
+    store = ArtifactStore(_store_arg(args))
+    ref = store.find(args.key)
+    info = store.describe(ref)
+    out: dict[str, Any] = {"artifact": info, "lineage": store.lineage(ref)}
+    out["manifest"] = store.manifest(ref) if info["complete"] else store.plan(ref)
+    out["sample"] = _sample_rows(store, ref, args.rows)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    manifest = out["manifest"] or {}
+    print(f"{ref.stage}/{ref.key}  {'complete' if info['complete'] else 'PARTIAL'}  {ref.uri}")
+    print(f"created {info['created']}  shards {info['shards_done']}/{info['shards_total']}  size {_human(info['bytes'])}")
+    print("spec: " + json.dumps(manifest.get("spec", {}), sort_keys=True))
+    if manifest.get("metrics"):
+        print("metrics: " + json.dumps(manifest["metrics"], sort_keys=True))
+    print("upstream:   " + (", ".join(out["lineage"]["upstream"]) or "none"))
+    print("downstream: " + (", ".join(out["lineage"]["downstream"]) or "none"))
+    for row in out["sample"]:
+        print("  " + json.dumps(row, default=str)[:300])
+    return 0
+
+
+def _sample_rows(store: Any, ref: Any, n: int) -> list[dict[str, Any]]:
+    """A few rows of the first finished Parquet shard, token lists shortened."""
+    from stores.parquet import read_shard
+
+    for name in sorted(store.loc(ref).listdir()):
+        if name.endswith(".parquet"):
+            rows = read_shard(store.loc(ref), name).slice(0, n).to_pylist()
+            for row in rows:
+                for k, v in row.items():
+                    if isinstance(v, list) and len(v) > 12:
+                        row[k] = [*v[:12], f"…({len(v)})"]
+            return rows
+    return []
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from stores.artifacts import ArtifactStore
+
+    store = ArtifactStore(_store_arg(args))
+    refs = [store.find(args.key)] if args.key else list(store.iter_refs())
+    results = []
+    for ref in tqdm(refs, desc="verify", disable=args.json or not sys.stderr.isatty()):
+        problems = store.verify(ref)
+        results.append({"stage": ref.stage, "key": ref.key, "ok": not problems, "problems": problems})
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['stage']}/{r['key']}")
+            for p in r["problems"]:
+                print(f"     {p}")
+        print(f"{sum(r['ok'] for r in results)} of {len(results)} artifacts verified")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deployments.serve import serve
+
+    serve(args.config, cron=args.cron)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="a2d", description="Turn an AR LLM into a fast diffusion LLM.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_store(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--store", help=f"store root: path or URI (default $A2D_STORE or {DEFAULT_STORE})")
+        return sp
+
+    run = with_store(sub.add_parser("run", help="run the pipeline locally (no server needed)"))
+    run.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+    run.add_argument("--set", action="append", metavar="K=V", help="override a config field, e.g. run.batch_size=4")
+    run.add_argument("--until", choices=STAGES, help="stop after this stage")
+    run.set_defaults(fn=cmd_run)
+
+    ls = with_store(sub.add_parser("ls", help="list artifacts"))
+    ls.add_argument("--stage", choices=STAGES)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_ls)
+
+    show = with_store(sub.add_parser("show", help="manifest, lineage and sample rows of one artifact"))
+    show.add_argument("key", help="artifact key (a unique prefix, or stage/key)")
+    show.add_argument("--rows", type=int, default=3)
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(fn=cmd_show)
+
+    verify = with_store(sub.add_parser("verify", help="re-check checksums; exit 1 on any mismatch"))
+    verify.add_argument("key", nargs="?", help="one artifact (default: all)")
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(fn=cmd_verify)
+
+    serve = sub.add_parser("serve", help="serve the deployments to the Prefect server at PREFECT_API_URL")
+    serve.add_argument("--config", default=None, help="default parameters for the deployments")
+    serve.add_argument("--cron", default=None, help="cron schedule for regenerate-data")
+    serve.set_defaults(fn=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"a2d: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Typed configuration: every stage spec (part of its artifact key) and run options (never part of one).
+
+The same pydantic models are Prefect flow parameters (the UI renders them as forms) and load from
+YAML with `--set a.b=c` overrides. Unknown keys and out-of-range values fail before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class Spec(BaseModel):
+    """Base for specs and options: frozen, and a typo'd field is an error rather than ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoadSpec(Spec):
+    """How the teacher is loaded for a forward pass; part of the keys of stages that run it."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype for the teacher forward (bfloat16 on GPU, float32 on CPU)"
+    )
+    quantization: Literal["none", "nf4"] = Field(
+        "none", description="Load linear layers in 4-bit NF4 through bitsandbytes"
+    )
+
+
+class TeacherSpec(Spec):
+    """Where the teacher comes from; every field is part of the teacher's artifact key."""
+
+    source: Literal["random", "local", "hub", "smollm2"] = Field(
+        "random", description="random config, local HF directory, hub id + revision, or the packaged SmolLM2 GGUF"
+    )
+    architecture: Literal["qwen3_5", "llama"] = Field("qwen3_5", description="random: architecture family")
+    layers: int = Field(64, ge=1, le=256, description="random: decoder layers")
+    hidden: int = Field(64, ge=16, le=16384, description="random: hidden width (multiple of 16)")
+    seed: int = Field(0, ge=0, description="random: weight initialisation seed")
+    path: str | None = Field(None, description="local: directory with config.json, weights and tokenizer")
+    repo_id: str | None = Field(None, description="hub: repository id, e.g. Qwen/Qwen3.6-27B")
+    revision: str | None = Field(None, description="hub: pinned commit sha (required for a reproducible key)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the materialised weights")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the checkpoint")
+    load: LoadSpec = Field(default_factory=LoadSpec, description="How stages that run the teacher load it")
+
+    @field_validator("hidden")
+    @classmethod
+    def _hidden_multiple(cls, v: int) -> int:
+        if v % 16:
+            raise ValueError(f"hidden={v} must be a multiple of 16 (heads are 16 wide)")
+        return v
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> TeacherSpec:
+        if self.source == "local" and not self.path:
+            raise ValueError("teacher.source=local needs teacher.path (a directory with config.json)")
+        if self.source == "hub" and not (self.repo_id and self.revision):
+            raise ValueError("teacher.source=hub needs teacher.repo_id and a pinned teacher.revision")
+        return self
+
+    def key_fields(self) -> dict[str, Any]:
+        """Only the fields that determine the materialised weights (load options do not)."""
+        data = self.model_dump(mode="json", exclude={"load"})
+        if self.source != "random":
+            for f in ("architecture", "layers", "hidden", "seed"):
+                data.pop(f)
+        return data
+
+
+class PromptSpec(Spec):
+    """Which prompts, tokenised how; every field is part of the prompts key (with the file hashes)."""
+
+    source: Literal["bundled", "files", "hub"] = Field("bundled", description="Bundled checkable prompts, local files or a hub dataset")
+    bundled_rows: int = Field(240, ge=1, le=100_000, description="bundled: number of generated prompts")
+    bundled_seed: int = Field(0, ge=0, description="bundled: generator seed")
+    files: tuple[str, ...] = Field((), description="files: local .jsonl/.json/.parquet/.csv paths")
+    hub_id: str | None = Field(None, description="hub: dataset id")
+    hub_revision: str | None = Field(None, description="hub: pinned dataset revision")
+    split: str = Field("train", description="Dataset split to read")
+    prompt_column: str = Field("prompt", description="Column with the user prompt (or a list of chat messages)")
+    response_column: str | None = Field("response", description="Column with a reference response (optional)")
+    answer_column: str | None = Field("answer", description="Column with a checkable answer (optional)")
+    kind_column: str | None = Field("kind", description="Column naming the answer kind for checking (optional)")
+    chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template")
+    system_prompt: str | None = Field(None, description="Optional system message for the chat template")
+    max_prompt_tokens: int = Field(256, ge=4, le=131_072, description="Longer prompts are rejected (counted)")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of rows held out for evaluation")
+    rows_per_shard: int = Field(128, ge=1, le=1_000_000, description="Rows per Parquet shard")
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> PromptSpec:
+        if self.source == "files" and not self.files:
+            raise ValueError("prompts.source=files needs prompts.files (one or more local paths)")
+        if self.source == "hub" and not self.hub_id:
+            raise ValueError("prompts.source=hub needs prompts.hub_id")
+        return self
+
+
+class RunOptions(Spec):
+    """How to run; never part of a key."""
+
+    batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward pass")
+    workers: int = Field(2, ge=1, le=256, description="Shard tasks in flight at once (bounded thread pool)")
+    device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:1, mps")
+    verify_reuse: bool = Field(True, description="Re-hash finished shards before reusing them")
+    progress: bool = Field(True, description="Show progress bars")
+
+
+STAGES = ("teacher", "prompts")
+
+
+class PipelineConfig(Spec):
+    """A whole run: one spec per stage plus run options."""
+
+    name: str = Field("a2d", description="Run name shown in logs and artifacts")
+    store: str = Field("./a2d-store", description="Artifact store root: a path or a URI (file://, s3://, memory://)")
+    teacher: TeacherSpec = Field(default_factory=TeacherSpec)
+    prompts: PromptSpec = Field(default_factory=PromptSpec)
+    run: RunOptions = Field(default_factory=RunOptions)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field and the fix."""
+
+
+def _parse_value(raw: str) -> Any:
+    """`--set` values are YAML scalars: `3`, `0.5`, `true`, `null`, `[1, 2]`, or plain strings."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides to nested config data (copying what it changes)."""
+    out = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} is not of the form a.b=value")
+        path, raw = item.split("=", 1)
+        parts = path.strip().split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return out
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config {origin}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - unknown key {loc!r}: check its spelling (see configs/tiny.yaml for every key)")
+        else:
+            lines.append(f"  - {loc}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load a YAML config (or the defaults when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    origin = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; the shipped ones are in configs/")
+        loaded = yaml.safe_load(p.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded or {}
+        origin = str(p)
+    data = apply_overrides(data, overrides or [])
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, origin)) from None

@@ -1,0 +1,171 @@
+"""The one door to storage: URI normalisation, fsspec filesystems and atomic writes.
+
+No other module calls fsspec or zarr on a raw user string; everything goes through `Location`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+SUPPORTED_PROTOCOLS = ("file", "memory", "s3", "gs", "gcs", "az", "abfs")
+
+
+def normalise_uri(uri: str) -> str:
+    """Return a canonical URI: absolute `file://` for local paths, protocol URIs without trailing slash."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError("store URI is empty: pass a path such as ./a2d-store or a URI such as s3://bucket/prefix")
+    uri = uri.strip()
+    if "://" not in uri:
+        return "file://" + str(Path(uri).expanduser().resolve())
+    protocol, rest = uri.split("://", 1)
+    protocol = protocol.lower()
+    if protocol not in SUPPORTED_PROTOCOLS:
+        raise ValueError(
+            f"unsupported store protocol {protocol!r} in {uri!r}: use a local path or one of "
+            f"{', '.join(p + '://' for p in SUPPORTED_PROTOCOLS)}"
+        )
+    if protocol == "file":
+        return "file://" + str(Path(rest).expanduser().resolve())
+    if protocol == "memory":
+        rest = "/" + rest.strip("/")
+    else:
+        rest = rest.strip("/")
+        if not rest:
+            raise ValueError(f"store URI {uri!r} names no bucket: use {protocol}://bucket/prefix")
+    return f"{protocol}://{rest}".rstrip("/") if rest != "/" else f"{protocol}:///"
+
+
+def storage_options_from_env(protocol: str) -> dict[str, Any]:
+    """Storage options for `protocol` from `A2D_STORAGE_OPTIONS` (JSON) and, for s3, `AWS_ENDPOINT_URL`."""
+    options: dict[str, Any] = {}
+    raw = os.environ.get("A2D_STORAGE_OPTIONS")
+    if raw:
+        try:
+            options.update(json.loads(raw))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"A2D_STORAGE_OPTIONS is not valid JSON ({e}): set it to an object") from e
+    if protocol == "s3" and os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in options:
+        options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+    if protocol == "file":
+        options.setdefault("auto_mkdir", True)
+    return options
+
+
+@dataclass(frozen=True)
+class Location:
+    """A folder in some filesystem: `uri` is canonical, `fs` does the I/O, `path` is the fs-native path."""
+
+    uri: str
+    storage_options: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def of(cls, uri: str, storage_options: dict[str, Any] | None = None) -> Location:
+        canonical = normalise_uri(uri)
+        protocol = canonical.split("://", 1)[0]
+        options = storage_options_from_env(protocol)
+        options.update(storage_options or {})
+        return cls(canonical, options)
+
+    @property
+    def protocol(self) -> str:
+        return self.uri.split("://", 1)[0]
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return _filesystem(self.protocol, json.dumps(self.storage_options, sort_keys=True, default=str))
+
+    @property
+    def path(self) -> str:
+        rest = self.uri.split("://", 1)[1]
+        return rest if self.protocol in ("file", "memory") else rest
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    def join(self, *parts: str) -> Location:
+        """A child location; parts must be relative and may not climb out with `..`."""
+        for part in parts:
+            if part.startswith("/") or ".." in part.split("/"):
+                raise ValueError(f"path part {part!r} must be relative and stay inside {self.uri}")
+        return Location(self.uri.rstrip("/") + "/" + posixpath.join(*parts), self.storage_options)
+
+    def exists(self, rel: str = "") -> bool:
+        return self.fs.exists(self._p(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self._p(rel))
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_bytes(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a file atomically: readers never see a partial file under the final name."""
+        target = self._p(rel)
+        if self.protocol in ("file",):
+            os.makedirs(posixpath.dirname(target), exist_ok=True)
+            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        else:
+            # Object stores publish a PUT atomically; memory:// replaces the value in one step.
+            self.fs.pipe_file(target, data)
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under `rel`; empty when it does not exist."""
+        p = self._p(rel)
+        if not self.fs.exists(p):
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(p, detail=False))
+
+    def files(self, rel: str = "") -> dict[str, int]:
+        """Every file below `rel` as {relative path: size}."""
+        base = self._p(rel).rstrip("/")
+        if not self.fs.exists(base):
+            return {}
+        if self.fs.isfile(base):
+            return {"": self.fs.size(base)}
+        out = {}
+        for p, info in self.fs.find(base, detail=True).items():
+            out[posixpath.relpath(p, base)] = int(info.get("size") or 0)
+        return out
+
+    def remove(self, rel: str = "") -> None:
+        p = self._p(rel)
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=True)
+
+    def local_path(self) -> Path:
+        """The local filesystem path; only for `file://` stores."""
+        if not self.is_local:
+            raise ValueError(f"{self.uri} is not on local disk")
+        return Path(self.path)
+
+    def _p(self, rel: str) -> str:
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise ValueError(f"path {rel!r} must be relative and stay inside {self.uri}")
+        return posixpath.join(self.path, rel) if rel else self.path
+
+
+_FS_CACHE: dict[tuple[str, str], fsspec.AbstractFileSystem] = {}
+
+
+def _filesystem(protocol: str, options_json: str) -> fsspec.AbstractFileSystem:
+    key = (protocol, options_json)
+    if key not in _FS_CACHE:
+        _FS_CACHE[key] = fsspec.filesystem(protocol, **json.loads(options_json))
+    return _FS_CACHE[key]

@@ -1,0 +1,227 @@
+"""prompts stage: read a dataset through `datasets`, template and tokenise, count every rejected row."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+
+from flows.config import PromptSpec, TeacherSpec
+from stores import bundled
+from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from stores.keys import artifact_key
+from stores.parquet import TOKENS, read_shard, write_shard
+from tasks import teacher as teacher_stage
+
+STAGE = "prompts"
+FORMAT_VERSION = 1
+REJECT_REASONS = ("empty", "too_long", "undecodable", "missing_column")
+SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("split", pa.string()),
+        ("prompt_text", pa.string()),
+        ("prompt_ids", TOKENS),
+        ("reference_response", pa.string()),
+        ("answer", pa.string()),
+        ("kind", pa.string()),
+    ]
+)
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def validated_files(spec: PromptSpec) -> list[Path]:
+    """Local dataset paths: they must exist, be files, and have a supported extension."""
+    out = []
+    for f in spec.files:
+        p = Path(f).expanduser().resolve()
+        if p.suffix.lower() not in FILE_FORMATS:
+            raise ValueError(f"prompts.files: {f} has an unsupported extension; use .jsonl, .json, .parquet or .csv")
+        if not p.is_file():
+            raise ValueError(f"prompts.files: {f} does not exist (resolved to {p})")
+        out.append(p)
+    return out
+
+
+def source_identity(spec: PromptSpec) -> dict[str, Any]:
+    """Content hashes of local files, so an edited file gives a new key even under the same name."""
+    if spec.source == "files":
+        return {"file_sha256": [hash_local_tree(p)[""] for p in validated_files(spec)]}
+    return {}
+
+
+def key_for(spec: PromptSpec, teacher_key: str) -> str:
+    payload = {**spec.model_dump(mode="json"), **source_identity(spec)}
+    payload["files"] = [Path(f).name for f in spec.files]  # the content hash, not the path, matters
+    return artifact_key(STAGE, FORMAT_VERSION, payload, {"teacher": teacher_key})
+
+
+def _clean_text_file(path: Path, tmp: Path) -> tuple[Path, int]:
+    """Copy a line-based file without lines that are not UTF-8; returns (copy, lines dropped)."""
+    dropped, kept = 0, []
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            line.decode("utf-8")
+            kept.append(line)
+        except UnicodeDecodeError:
+            dropped += 1
+    out = tmp / path.name
+    out.write_bytes(b"".join(kept))
+    return out, dropped
+
+
+@functools.lru_cache(maxsize=4)
+def _source_rows_cached(spec_json: str, identity_json: str) -> tuple[tuple[dict[str, Any], ...], tuple]:
+    from datasets import load_dataset
+
+    spec = PromptSpec.model_validate_json(spec_json)
+    undecodable = 0
+    if spec.source == "bundled":
+        return tuple(bundled.generate(spec.bundled_rows, spec.bundled_seed)), ()
+    if spec.source == "hub":
+        ds = load_dataset(spec.hub_id, revision=spec.hub_revision, split=spec.split)
+        return tuple(ds), ()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in validated_files(spec):
+            fmt = FILE_FORMATS[path.suffix.lower()]
+            if fmt in ("json", "csv") and not path.read_bytes().lstrip().startswith(b"["):
+                path, dropped = _clean_text_file(path, Path(tmp))
+                undecodable += dropped
+            ds = load_dataset(fmt, data_files=str(path), split="train")
+            for i, row in enumerate(ds):
+                rows.append({"__row__": f"{path.stem}-{i:06d}", **row})
+    return tuple(rows), (("undecodable", undecodable),)
+
+
+def source_rows(spec: PromptSpec) -> tuple[list[dict[str, Any]], Counter]:
+    """Every source row (as dicts) and rejections found while reading (non-UTF-8 lines)."""
+    ident = json.dumps(source_identity(spec), sort_keys=True)
+    rows, pre = _source_rows_cached(spec.model_dump_json(), ident)
+    if spec.source != "bundled" and rows and spec.prompt_column not in rows[0]:
+        cols = sorted(k for k in rows[0] if k != "__row__")
+        raise ValueError(
+            f"prompts.prompt_column={spec.prompt_column!r} is not a column of the dataset; columns are {cols}"
+        )
+    return list(rows), Counter(dict(pre))
+
+
+def split_of(sample_id: str, eval_fraction: float) -> str:
+    """Held-out assignment by a hash of the id: stable when the dataset grows or is reordered."""
+    h = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "eval" if h < eval_fraction else "train"
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def tokenise_rows(rows: list[dict[str, Any]], spec: PromptSpec, tok: Any) -> tuple[dict[str, list], Counter]:
+    """Template and tokenise; returns the shard's columns and rejections counted by reason."""
+    cols: dict[str, list] = {f.name: [] for f in SCHEMA}
+    rejected: Counter = Counter()
+    for i, row in enumerate(rows):
+        prompt = row.get(spec.prompt_column)
+        if prompt is None:
+            rejected["missing_column"] += 1
+            continue
+        if isinstance(prompt, str) and "\ufffd" in prompt:
+            rejected["undecodable"] += 1
+            continue
+        if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
+            rejected["empty"] += 1
+            continue
+        if spec.chat_template and getattr(tok, "chat_template", None):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if spec.system_prompt:
+                messages = [{"role": "system", "content": spec.system_prompt}, *messages]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+            ids = tok(text)["input_ids"]
+        if len(ids) > spec.max_prompt_tokens:
+            rejected["too_long"] += 1
+            continue
+        sample_id = str(row.get("id") or row.get("__row__") or f"row-{i:06d}")
+        cols["sample_id"].append(sample_id)
+        cols["split"].append(split_of(sample_id, spec.eval_fraction))
+        cols["prompt_text"].append(text)
+        cols["prompt_ids"].append(ids)
+        cols["reference_response"].append(_text(row.get(spec.response_column)) if spec.response_column else None)
+        cols["answer"].append(_text(row.get(spec.answer_column)) if spec.answer_column else None)
+        cols["kind"].append(_text(row.get(spec.kind_column)) if spec.kind_column else None)
+    return cols, rejected
+
+
+def shard_names(spec: PromptSpec) -> list[str]:
+    n = len(source_rows(spec)[0])
+    if n == 0:
+        raise ValueError("the prompts dataset has no rows at all: check prompts.files / prompts.hub_id")
+    return [f"part-{i:05d}" for i in range((n + spec.rows_per_shard - 1) // spec.rows_per_shard)]
+
+
+@task(name="prompts-shard", task_run_name="prompts-{shard}")
+def prompts_shard(
+    store_uri: str, ref: ArtifactRef, shard: str, spec: PromptSpec, teacher: ArtifactRef, teacher_spec: TeacherSpec
+) -> dict:
+    """Tokenise one slice of rows into `part-NNNNN.parquet` and mark it finished."""
+    from transformers import AutoTokenizer
+
+    store = ArtifactStore(store_uri)
+    index = int(shard.split("-")[1])
+    rows, pre_rejected = source_rows(spec)
+    chunk = rows[index * spec.rows_per_shard : (index + 1) * spec.rows_per_shard]
+    tok = AutoTokenizer.from_pretrained(
+        str(teacher_stage.local_dir(store, teacher)), trust_remote_code=teacher_spec.trust_remote_code
+    )
+    cols, rejected = tokenise_rows(chunk, spec, tok)
+    if index == 0:
+        rejected.update(pre_rejected)  # read-time rejections are counted once, on the first shard
+    name = f"{shard}.parquet"
+    with store.shard_output(ref, name) as out:
+        rows_written = write_shard(out, cols, SCHEMA)
+        sha = hash_local_tree(out)[""]
+    stats = {
+        "rows": rows_written,
+        "tokens": int(sum(len(x) for x in cols["prompt_ids"])),
+        "eval_rows": cols["split"].count("eval"),
+        "rejected": {r: int(rejected.get(r, 0)) for r in REJECT_REASONS},
+    }
+    return store.write_marker(ref, shard, {name: sha}, stats)
+
+
+def summarise(markers: dict[str, dict]) -> dict[str, Any]:
+    """Stage metrics; zero usable rows is an error naming every rejection reason."""
+    rejected = Counter()
+    for m in markers.values():
+        rejected.update(m["rejected"])
+    rows = sum(m["rows"] for m in markers.values())
+    if rows == 0:
+        raise ValueError(f"the prompts dataset has zero usable rows; rejected by reason: {dict(rejected)}")
+    return {
+        "rows": rows,
+        "eval_rows": sum(m["eval_rows"] for m in markers.values()),
+        "rejected": {r: int(rejected.get(r, 0)) for r in REJECT_REASONS},
+        "rejected_total": int(sum(rejected.values())),
+    }
+
+
+def read_prompts(store: ArtifactStore, ref: ArtifactRef, split: str | None = None) -> pa.Table:
+    """All prompt rows of a complete prompts artifact, optionally one split."""
+    manifest = store.manifest(ref)
+    loc = store.loc(ref)
+    tables = [read_shard(loc, f"{s}.parquet") for s in manifest["shards"]]
+    table = pa.concat_tables(tables)
+    if split is not None:
+        import pyarrow.compute as pc
+
+        table = table.filter(pc.equal(table["split"], split))
+    return table

@@ -1,0 +1,101 @@
+"""teacher stage: materialise the teacher checkpoint as an artifact, and load it back for forwards."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from flows.config import LoadSpec, TeacherSpec
+from models import teacher as tm
+from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from stores.keys import artifact_key
+
+STAGE = "teacher"
+FORMAT_VERSION = 1
+SHARD = "model"
+
+
+def source_identity(spec: TeacherSpec) -> dict[str, Any]:
+    """What identifies the weights beyond the spec: content hashes of local inputs."""
+    if spec.source == "local":
+        path = Path(spec.path or "").expanduser()
+        return {"content_sha256": tm.local_dir_hash(path)}
+    if spec.source == "smollm2":
+        return {"gguf": tm.SMOLLM2_GGUF, "gguf_sha256": _gguf_hash(str(tm.smollm2_gguf_path()))}
+    return {}
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_hash(path: str) -> str:
+    return tm.file_sha256(Path(path))
+
+
+def key_for(spec: TeacherSpec) -> str:
+    return artifact_key(STAGE, FORMAT_VERSION, {**spec.key_fields(), **source_identity(spec)}, {})
+
+
+def build(spec: TeacherSpec, out: Path) -> None:
+    """Write the teacher's HF directory to `out` (a local scratch path)."""
+    if spec.source == "random":
+        tm.build_random_teacher(spec.architecture, spec.layers, spec.hidden, spec.seed, out, spec.dtype)
+    elif spec.source == "smollm2":
+        tm.convert_smollm2(out, spec.dtype)
+    elif spec.source == "local":
+        tm.copy_pretrained(str(Path(spec.path).expanduser()), out, spec.dtype, spec.trust_remote_code, None)
+    else:
+        tm.copy_pretrained(spec.repo_id, out, spec.dtype, spec.trust_remote_code, spec.revision)
+
+
+@task(name="teacher-materialise", task_run_name="teacher-{ref.key}", retries=0)
+def materialise(store_uri: str, ref: ArtifactRef, spec: TeacherSpec) -> dict:
+    """Build the checkpoint into scratch, publish it as the `model` shard, write its marker."""
+    store = ArtifactStore(store_uri)
+    with store.shard_output(ref, SHARD) as out:
+        build(spec, out)
+        hashes = hash_local_tree(out)
+        info = tm.describe_config(out)
+    files = {f"{SHARD}/{rel}": h for rel, h in hashes.items()}
+    return store.write_marker(ref, SHARD, files, {"rows": 0, "tokens": 0, "architecture": info})
+
+
+_LOCAL_LOCK = threading.RLock()
+
+
+def local_dir(store: ArtifactStore, ref: ArtifactRef, cache_root: Path | None = None) -> Path:
+    """A local directory holding the teacher: the artifact itself on disk, else a verified download."""
+    store.manifest(ref)  # refuses partial artifacts with a clear message
+    loc = store.loc(ref)
+    if loc.is_local:
+        return loc.local_path() / SHARD
+    cache_root = cache_root or Path(os.environ.get("A2D_CACHE", Path.home() / ".cache" / "a2d"))
+    target = cache_root / "teacher" / ref.key
+    with _LOCAL_LOCK:
+        marker = store.marker(ref, SHARD)
+        want = {rel.split("/", 1)[1]: h for rel, h in marker["files"].items()}
+        if not target.is_dir() or hash_local_tree(target) != want:
+            target.mkdir(parents=True, exist_ok=True)
+            loc.fs.get(loc._p(SHARD) + "/", str(target) + "/", recursive=True)
+            if hash_local_tree(target) != want:
+                raise RuntimeError(f"teacher download to {target} does not match its checksums; rerun")
+    return target
+
+
+_MODELS: dict[tuple, tuple] = {}
+
+
+def load(store: ArtifactStore, ref: ArtifactRef, spec: TeacherSpec, load_spec: LoadSpec, device: str):
+    """Load (once per process) the materialised teacher for inference."""
+    cache_key = (ref.uri, load_spec, device)
+    with _LOCAL_LOCK:
+        if cache_key not in _MODELS:
+            _MODELS.clear()  # one teacher resident at a time
+            path = local_dir(store, ref)
+            _MODELS[cache_key] = tm.load_teacher(
+                path, load_spec.dtype, load_spec.quantization, device, spec.trust_remote_code
+            )
+        return _MODELS[cache_key]
