@@ -55,7 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(config.store)
     refs = plan(config, until)
-    if all(store.is_complete(r) for r in refs.values()):
+    if all(store.reusable(r, verify=config.run.verify_reuse) for r in refs.values()):
         for stage, ref in refs.items():
             print(f"reuse {stage:<12} {ref.key}  (complete at {ref.uri})")
     else:
@@ -99,7 +99,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     manifest = out["manifest"] or {}
     print(f"{ref.stage}/{ref.key}  {'complete' if info['complete'] else 'PARTIAL'}  {ref.uri}")
-    print(f"created {info['created']}  shards {info['shards_done']}/{info['shards_total']}  size {_human(info['bytes'])}")
+    print(
+        f"created {info['created']}  shards {info['shards_done']}/{info['shards_total']}  size {_human(info['bytes'])}"
+    )
     print("spec: " + json.dumps(manifest.get("spec", {}), sort_keys=True))
     if manifest.get("metrics"):
         print("metrics: " + json.dumps(manifest["metrics"], sort_keys=True))
@@ -164,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = with_store(sub.add_parser("run", help="run the pipeline locally (no server needed)"))
     run.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
-    run.add_argument("--set", action="append", metavar="K=V", help="override a config field, e.g. run.batch_size=4")
+    run.add_argument(
+        "--set", action="append", metavar="K=V", help="override a config field, e.g. run.batch_size=4"
+    )
     run.add_argument("--until", choices=STAGES, help="stop after this stage")
     run.set_defaults(fn=cmd_run)
 

@@ -35,7 +35,8 @@ class TeacherSpec(Spec):
     """Where the teacher comes from; every field is part of the teacher's artifact key."""
 
     source: Literal["random", "local", "hub", "smollm2"] = Field(
-        "random", description="random config, local HF directory, hub id + revision, or the packaged SmolLM2 GGUF"
+        "random",
+        description="random config, local HF directory, hub id + revision, or the packaged SmolLM2 GGUF",
     )
     architecture: Literal["qwen3_5", "llama"] = Field("qwen3_5", description="random: architecture family")
     layers: int = Field(64, ge=1, le=256, description="random: decoder layers")
@@ -75,17 +76,23 @@ class TeacherSpec(Spec):
 class PromptSpec(Spec):
     """Which prompts, tokenised how; every field is part of the prompts key (with the file hashes)."""
 
-    source: Literal["bundled", "files", "hub"] = Field("bundled", description="Bundled checkable prompts, local files or a hub dataset")
+    source: Literal["bundled", "files", "hub"] = Field(
+        "bundled", description="Bundled checkable prompts, local files or a hub dataset"
+    )
     bundled_rows: int = Field(240, ge=1, le=100_000, description="bundled: number of generated prompts")
     bundled_seed: int = Field(0, ge=0, description="bundled: generator seed")
     files: tuple[str, ...] = Field((), description="files: local .jsonl/.json/.parquet/.csv paths")
     hub_id: str | None = Field(None, description="hub: dataset id")
     hub_revision: str | None = Field(None, description="hub: pinned dataset revision")
     split: str = Field("train", description="Dataset split to read")
-    prompt_column: str = Field("prompt", description="Column with the user prompt (or a list of chat messages)")
+    prompt_column: str = Field(
+        "prompt", description="Column with the user prompt (or a list of chat messages)"
+    )
     response_column: str | None = Field("response", description="Column with a reference response (optional)")
     answer_column: str | None = Field("answer", description="Column with a checkable answer (optional)")
-    kind_column: str | None = Field("kind", description="Column naming the answer kind for checking (optional)")
+    kind_column: str | None = Field(
+        "kind", description="Column naming the answer kind for checking (optional)"
+    )
     chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template")
     system_prompt: str | None = Field(None, description="Optional system message for the chat template")
     max_prompt_tokens: int = Field(256, ge=4, le=131_072, description="Longer prompts are rejected (counted)")
@@ -118,7 +125,9 @@ class PipelineConfig(Spec):
     """A whole run: one spec per stage plus run options."""
 
     name: str = Field("a2d", description="Run name shown in logs and artifacts")
-    store: str = Field("./a2d-store", description="Artifact store root: a path or a URI (file://, s3://, memory://)")
+    store: str = Field(
+        "./a2d-store", description="Artifact store root: a path or a URI (file://, s3://, memory://)"
+    )
     teacher: TeacherSpec = Field(default_factory=TeacherSpec)
     prompts: PromptSpec = Field(default_factory=PromptSpec)
     run: RunOptions = Field(default_factory=RunOptions)

@@ -32,11 +32,15 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> dict[str, ArtifactR
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> dict[str, ArtifactRef]:
+def pipeline(
+    config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]
+) -> dict[str, ArtifactRef]:
     """teacher → prompts → …: each stage reuses its artifact when complete and resumes when partial."""
     wanted = stages_until(until)
     refs: dict[str, ArtifactRef] = {}
     refs["teacher"] = teacher_flow(config.teacher, config.store, config.run)
     if "prompts" in wanted:
-        refs["prompts"] = prompts_flow(refs["teacher"], config.prompts, config.teacher, config.store, config.run)
+        refs["prompts"] = prompts_flow(
+            refs["teacher"], config.prompts, config.teacher, config.store, config.run
+        )
     return refs

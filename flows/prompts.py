@@ -26,13 +26,19 @@ def prompts_flow(
     """Tokenise prompts with the teacher's tokenizer; every rejected row is counted by reason."""
     st = ArtifactStore(store)
     ref = prompts_ref(st, spec, teacher)
-    if st.is_complete(ref):
-        shards: list[str] = []
-    else:
-        shards = stage.shard_names(spec)
+    shards = [] if st.is_complete(ref) else stage.shard_names(spec)
     key_spec = {**spec.model_dump(mode="json"), **stage.source_identity(spec)}
     return run_sharded(
-        st, ref, key_spec, {"teacher": teacher.key}, shards, stage.prompts_shard,
-        lambda shard: dict(store_uri=store, ref=ref, shard=shard, spec=spec, teacher=teacher, teacher_spec=teacher_spec),
-        workers=opts.workers, verify_reuse=opts.verify_reuse, metrics=stage.summarise,
+        st,
+        ref,
+        key_spec,
+        {"teacher": teacher.key},
+        shards,
+        stage.prompts_shard,
+        lambda shard: dict(
+            store_uri=store, ref=ref, shard=shard, spec=spec, teacher=teacher, teacher_spec=teacher_spec
+        ),
+        workers=opts.workers,
+        verify_reuse=opts.verify_reuse,
+        metrics=stage.summarise,
     )

@@ -23,7 +23,14 @@ def teacher_flow(
     st = ArtifactStore(store)
     ref = teacher_ref(st, spec)
     return run_sharded(
-        st, ref, {**spec.key_fields(), **stage.source_identity(spec)}, {}, [stage.SHARD], stage.materialise,
-        lambda shard: {"store_uri": store, "ref": ref, "spec": spec}, workers=1, verify_reuse=opts.verify_reuse,
+        st,
+        ref,
+        {**spec.key_fields(), **stage.source_identity(spec)},
+        {},
+        [stage.SHARD],
+        stage.materialise,
+        lambda shard: {"store_uri": store, "ref": ref, "spec": spec},
+        workers=1,
+        verify_reuse=opts.verify_reuse,
         metrics=lambda markers: {"architecture": markers[stage.SHARD]["architecture"]},
     )

@@ -7,8 +7,8 @@ No Prefect and no fsspec here: every function takes and returns local paths and 
 from __future__ import annotations
 
 import hashlib
-import logging
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -85,7 +85,9 @@ def random_model(architecture: str, layers: int, hidden: int, seed: int, vocab_s
     return model.eval()
 
 
-def build_random_teacher(architecture: str, layers: int, hidden: int, seed: int, out: Path, dtype: str) -> None:
+def build_random_teacher(
+    architecture: str, layers: int, hidden: int, seed: int, out: Path, dtype: str
+) -> None:
     """Write a random teacher (weights, config, byte tokenizer) as an HF directory."""
     tok = byte_tokenizer()
     vocab = ((len(tok) + 63) // 64) * 64  # pad to a multiple of 64 like real vocabularies
@@ -135,7 +137,9 @@ def convert_smollm2(out: Path, dtype: str) -> None:
     save_teacher(model, tok, out)
 
 
-def copy_pretrained(source: str, out: Path, dtype: str, trust_remote_code: bool, revision: str | None) -> None:
+def copy_pretrained(
+    source: str, out: Path, dtype: str, trust_remote_code: bool, revision: str | None
+) -> None:
     """Load a local directory or a hub id (pinned revision) with safetensors only, and save it."""
     kwargs = dict(dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True)
     if revision:
@@ -154,7 +158,9 @@ def save_teacher(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path
 def local_dir_hash(path: Path) -> str:
     """Content hash of a local checkpoint directory (every file, by relative path)."""
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(f"teacher.path {path} is not a model directory: it must hold config.json and weights")
+        raise ValueError(
+            f"teacher.path {path} is not a model directory: it must hold config.json and weights"
+        )
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         if p.is_file() and not p.name.startswith("."):
@@ -169,7 +175,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_teacher(
-    path: Path, dtype: str = "float32", quantization: str = "none", device: str = "auto",
+    path: Path,
+    dtype: str = "float32",
+    quantization: str = "none",
+    device: str = "auto",
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a materialised teacher for inference: eval mode, no grad, on `device`."""
@@ -188,11 +197,28 @@ def load_teacher(
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     if quantization != "nf4":
         model = model.to(dev)
+    else:
+        disable_cpu_nf4_packing(model)
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval().requires_grad_(False)
     return model, tok
+
+
+def disable_cpu_nf4_packing(model: torch.nn.Module) -> int:
+    """Keep bitsandbytes' CPU inference fast path off layers it cannot pack.
+
+    bitsandbytes 0.50 repacks NF4 weights for an AVX512-bf16 CPU kernel on the first no-grad
+    forward and asserts that out_features is a multiple of 32; small Gated DeltaNet projections
+    (in_proj_a/b: one output per head) are not. Those layers use the generic path instead.
+    """
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ == "Linear4bit" and m.out_features % 32:
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

@@ -112,6 +112,24 @@ class ArtifactStore:
     def is_complete(self, ref: ArtifactRef) -> bool:
         return self.loc(ref).exists(MANIFEST)
 
+    def reusable(self, ref: ArtifactRef, verify: bool = True) -> bool:
+        """Complete and, with `verify`, every shard still matches its checksum.
+
+        A complete artifact with a corrupted shard is demoted to partial (its manifest is removed;
+        markers of the bad shards too) so that the next run rebuilds exactly those shards.
+        """
+        if not self.is_complete(ref):
+            return False
+        if not verify:
+            return True
+        bad = [s for s, m in self.manifest(ref)["shards"].items() if self.check_shard(ref, m)]
+        if not bad:
+            return True
+        self.loc(ref).remove(MANIFEST)
+        for shard in bad:
+            self.discard_shard(ref, shard)
+        return False
+
     def manifest(self, ref: ArtifactRef) -> dict[str, Any]:
         loc = self.loc(ref)
         if not loc.exists(MANIFEST):
@@ -198,7 +216,9 @@ class ArtifactStore:
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
-    def write_marker(self, ref: ArtifactRef, shard: str, files: Mapping[str, str], stats: Mapping[str, Any]) -> dict:
+    def write_marker(
+        self, ref: ArtifactRef, shard: str, files: Mapping[str, str], stats: Mapping[str, Any]
+    ) -> dict:
         """Mark a shard finished. `files` maps paths relative to the artifact to their sha256."""
         loc = self.loc(ref)
         sizes = {rel: loc.fs.size(loc._p(rel)) for rel in files}

@@ -21,7 +21,9 @@ SUPPORTED_PROTOCOLS = ("file", "memory", "s3", "gs", "gcs", "az", "abfs")
 def normalise_uri(uri: str) -> str:
     """Return a canonical URI: absolute `file://` for local paths, protocol URIs without trailing slash."""
     if not isinstance(uri, str) or not uri.strip():
-        raise ValueError("store URI is empty: pass a path such as ./a2d-store or a URI such as s3://bucket/prefix")
+        raise ValueError(
+            "store URI is empty: pass a path such as ./a2d-store or a URI such as s3://bucket/prefix"
+        )
     uri = uri.strip()
     if "://" not in uri:
         return "file://" + str(Path(uri).expanduser().resolve())

@@ -43,7 +43,9 @@ def validated_files(spec: PromptSpec) -> list[Path]:
     for f in spec.files:
         p = Path(f).expanduser().resolve()
         if p.suffix.lower() not in FILE_FORMATS:
-            raise ValueError(f"prompts.files: {f} has an unsupported extension; use .jsonl, .json, .parquet or .csv")
+            raise ValueError(
+                f"prompts.files: {f} has an unsupported extension; use .jsonl, .json, .parquet or .csv"
+            )
         if not p.is_file():
             raise ValueError(f"prompts.files: {f} does not exist (resolved to {p})")
         out.append(p)
@@ -155,7 +157,9 @@ def tokenise_rows(rows: list[dict[str, Any]], spec: PromptSpec, tok: Any) -> tup
         cols["split"].append(split_of(sample_id, spec.eval_fraction))
         cols["prompt_text"].append(text)
         cols["prompt_ids"].append(ids)
-        cols["reference_response"].append(_text(row.get(spec.response_column)) if spec.response_column else None)
+        cols["reference_response"].append(
+            _text(row.get(spec.response_column)) if spec.response_column else None
+        )
         cols["answer"].append(_text(row.get(spec.answer_column)) if spec.answer_column else None)
         cols["kind"].append(_text(row.get(spec.kind_column)) if spec.kind_column else None)
     return cols, rejected
@@ -170,7 +174,12 @@ def shard_names(spec: PromptSpec) -> list[str]:
 
 @task(name="prompts-shard", task_run_name="prompts-{shard}")
 def prompts_shard(
-    store_uri: str, ref: ArtifactRef, shard: str, spec: PromptSpec, teacher: ArtifactRef, teacher_spec: TeacherSpec
+    store_uri: str,
+    ref: ArtifactRef,
+    shard: str,
+    spec: PromptSpec,
+    teacher: ArtifactRef,
+    teacher_spec: TeacherSpec,
 ) -> dict:
     """Tokenise one slice of rows into `part-NNNNN.parquet` and mark it finished."""
     from transformers import AutoTokenizer

@@ -68,7 +68,9 @@ class Progress:
 
     def __init__(self, total: int, description: str, every: int = 1):
         self.total, self.done, self.every = max(total, 1), 0, max(every, 1)
-        self.id = create_progress_artifact(progress=0.0, description=description) if in_prefect_run() else None
+        self.id = (
+            create_progress_artifact(progress=0.0, description=description) if in_prefect_run() else None
+        )
 
     def advance(self, n: int = 1) -> None:
         from prefect.artifacts import update_progress_artifact

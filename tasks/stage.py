@@ -45,10 +45,12 @@ def run_sharded(
     """
     log = logger()
     timer = Timer()
-    if store.is_complete(ref):
+    if store.reusable(ref, verify=verify_reuse):
         log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
         publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
         return ref
+    if store.plan(ref) and not shards:
+        shards = store.plan(ref)["shards"]  # a demoted artifact: same shards as planned
     store.write_plan(ref, spec, upstream, list(shards))
     pending = []
     for shard in shards:
@@ -56,8 +58,12 @@ def run_sharded(
             store.discard_shard(ref, shard)
             pending.append(shard)
     log.info(
-        "%s %s: %d of %d shards already finished, running %d", ref.stage, ref.key,
-        len(shards) - len(pending), len(shards), len(pending),
+        "%s %s: %d of %d shards already finished, running %d",
+        ref.stage,
+        ref.key,
+        len(shards) - len(pending),
+        len(shards),
+        len(pending),
     )
     # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
     for start in range(0, len(pending), workers):

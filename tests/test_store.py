@@ -1,0 +1,102 @@
+"""The store on local disk and memory://: plans, shards, markers, manifests, verify, listing, lineage."""
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from stores.artifacts import ArtifactStore, IncompleteArtifactError, hash_local_tree
+from stores.parquet import TOKENS, read_shard, write_shard
+from stores.uri import Location, normalise_uri
+
+SCHEMA = pa.schema([("sample_id", pa.string()), ("ids", TOKENS)])
+
+
+def _write(store: ArtifactStore, ref, shard: str, n: int) -> None:
+    name = f"{shard}.parquet"
+    with store.shard_output(ref, name) as out:
+        write_shard(
+            out, {"sample_id": [f"s{i}" for i in range(n)], "ids": [[i, i + 1] for i in range(n)]}, SCHEMA
+        )
+        sha = hash_local_tree(out)[""]
+    store.write_marker(ref, shard, {name: sha}, {"rows": n, "tokens": 2 * n})
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return ArtifactStore(str(tmp_path / "store"))
+    return ArtifactStore(f"memory://a2d-test-{tmp_path.name}")
+
+
+def test_uri_normalisation(tmp_path):
+    assert normalise_uri(str(tmp_path)) == f"file://{tmp_path}"
+    assert normalise_uri(f"file://{tmp_path}/") == f"file://{tmp_path}"
+    assert normalise_uri("s3://bucket/prefix/") == "s3://bucket/prefix"
+    assert normalise_uri("memory://x/y") == "memory:///x/y"
+    with pytest.raises(ValueError, match="unsupported store protocol"):
+        normalise_uri("ftp://host/x")
+    with pytest.raises(ValueError, match="names no bucket"):
+        normalise_uri("s3://")
+    with pytest.raises(ValueError, match="stay inside"):
+        Location.of(str(tmp_path)).join("../escape")
+
+
+def test_shards_manifest_verify_and_listing(store):
+    ref = store.ref("prompts", "0123456789abcdef")
+    store.write_plan(ref, {"x": 1}, {"teacher": "fedcba9876543210"}, ["part-00000", "part-00001"])
+    _write(store, ref, "part-00000", 3)
+    assert not store.is_complete(ref)
+    row = store.describe(ref)
+    assert (row["complete"], row["shards_done"], row["shards_total"]) == (False, 1, 2)
+    with pytest.raises(RuntimeError, match="part-00001 is not finished"):
+        store.commit(ref)
+    with pytest.raises(IncompleteArtifactError, match="partial"):
+        store.manifest(ref)
+    _write(store, ref, "part-00001", 2)
+    manifest = store.commit(ref, {"note": "ok"})
+    assert store.is_complete(ref)
+    assert (manifest["rows"], manifest["tokens"]) == (5, 10)
+    assert manifest["upstream"] == {"teacher": "fedcba9876543210"}
+    assert store.verify(ref) == []
+    table = read_shard(store.loc(ref), "part-00001.parquet")
+    assert table.schema.field("ids").type == pa.list_(pa.int32())
+    assert table.column("sample_id").to_pylist() == ["s0", "s1"]
+    assert [r.key for r in store.iter_refs()] == [ref.key]
+
+
+def test_corruption_is_named_and_only_that_shard_is_redone(store):
+    ref = store.ref("prompts", "0123456789abcdef")
+    store.write_plan(ref, {}, {}, ["part-00000", "part-00001"])
+    _write(store, ref, "part-00000", 3)
+    _write(store, ref, "part-00001", 3)
+    store.commit(ref)
+    loc = store.loc(ref)
+    data = bytearray(loc.read_bytes("part-00001.parquet"))
+    data[len(data) // 2] ^= 0xFF
+    loc.write_bytes("part-00001.parquet", bytes(data))
+    problems = store.verify(ref)
+    assert len(problems) == 1 and "part-00001.parquet" in problems[0] and "sha256 mismatch" in problems[0]
+    assert store.finished_shard(ref, "part-00000") is not None
+    assert store.finished_shard(ref, "part-00001") is None
+
+
+def test_lineage_and_find(store):
+    up = store.ref("teacher", "aaaaaaaaaaaaaaaa")
+    store.write_plan(up, {}, {}, [])
+    store.commit(up)
+    down = store.ref("prompts", "bbbbbbbbbbbbbbbb")
+    store.write_plan(down, {}, {"teacher": up.key}, [])
+    store.commit(down)
+    assert store.lineage(up) == {"upstream": [], "downstream": [f"prompts/{down.key}"]}
+    assert store.lineage(down)["upstream"] == [f"teacher/{up.key}"]
+    assert store.find("bbbb") == down
+    with pytest.raises(KeyError, match="no artifact"):
+        store.find("cccc")
+
+
+def test_manifest_is_written_atomically(tmp_path):
+    loc = Location.of(str(tmp_path))
+    loc.write_json("a/manifest.json", {"ok": True})
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == {"ok": True}
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["manifest.json"]  # no temp file left behind

@@ -1,0 +1,97 @@
+"""teacher stage: every source materialises a loadable HF directory whose key tracks its content."""
+
+import huggingface_hub.constants
+import pytest
+import torch
+from pydantic import ValidationError
+
+from flows.config import TeacherSpec
+from flows.teacher import teacher_flow
+from models.teacher import build_random_teacher, decoder_layers, load_teacher
+from stores.artifacts import ArtifactStore
+from tasks import teacher as stage
+
+
+def test_random_qwen3_5_has_the_real_hybrid_layout(tiny_store):
+    store = ArtifactStore(tiny_store)
+    ref = store.ref("teacher", stage.key_for(TeacherSpec()))
+    manifest = store.manifest(ref)
+    arch = manifest["metrics"]["architecture"]
+    assert arch["model_type"].startswith("qwen3_5") and arch["layers"] == 64
+    assert arch["layer_types"] == {"full_attention": 16, "linear_attention": 48}
+    model, tok = load_teacher(stage.local_dir(store, ref))
+    assert len(decoder_layers(model)) == 64
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
+        "<|im_start|>user"
+    )
+
+
+def test_random_llama_is_deterministic_per_seed(tmp_path):
+    build_random_teacher("llama", 2, 32, 7, tmp_path / "a", "float32")
+    build_random_teacher("llama", 2, 32, 7, tmp_path / "b", "float32")
+    build_random_teacher("llama", 2, 32, 8, tmp_path / "c", "float32")
+    a = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert a != (tmp_path / "c" / "model.safetensors").read_bytes()
+
+
+def test_local_source_key_follows_content(tmp_path):
+    src = tmp_path / "src"
+    build_random_teacher("llama", 2, 32, 0, src, "float32")
+    spec = TeacherSpec(source="local", path=str(src))
+    key = stage.key_for(spec)
+    ref = teacher_flow(spec, str(tmp_path / "store"))
+    assert ref.key == key
+    model, _ = load_teacher(stage.local_dir(ArtifactStore(str(tmp_path / "store")), ref))
+    assert model.config.num_hidden_layers == 2
+    (src / "config.json").write_text(
+        (src / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05')
+    )
+    assert stage.key_for(spec) != key
+    with pytest.raises(ValueError, match="not a model directory"):
+        stage.key_for(TeacherSpec(source="local", path=str(tmp_path / "nope")))
+
+
+def test_hub_source_loads_a_pinned_revision_from_the_hub_cache(tmp_path, monkeypatch):
+    """The real hub code path (repo id + revision), served offline from a hub-layout cache."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--a2d--tiny-llama" / "snapshots" / revision
+    build_random_teacher("llama", 2, 32, 3, snapshot, "float32")
+    (tmp_path / "hub" / "models--a2d--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--a2d--tiny-llama" / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    spec = TeacherSpec(source="hub", repo_id="a2d/tiny-llama", revision=revision)
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = teacher_flow(spec, str(tmp_path / "store"))
+    out = stage.local_dir(store, ref)
+    assert (out / "model.safetensors").read_bytes() == (snapshot / "model.safetensors").read_bytes()
+    with pytest.raises(ValidationError, match="pinned teacher.revision"):
+        TeacherSpec(source="hub", repo_id="a2d/tiny-llama")  # a revision is required
+
+
+def test_nf4_teacher_loads_and_runs(tiny_store):
+    store = ArtifactStore(tiny_store)
+    path = stage.local_dir(store, store.ref("teacher", stage.key_for(TeacherSpec())))
+    model, _ = load_teacher(path, quantization="nf4", device="cpu")
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "Linear4bit" in kinds
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_converts_once_into_the_store(tmp_path):
+    spec = TeacherSpec(source="smollm2")
+    store = ArtifactStore(str(tmp_path))
+    ref = teacher_flow(spec, str(tmp_path))
+    arch = store.manifest(ref)["metrics"]["architecture"]
+    assert (arch["model_type"], arch["layers"], arch["hidden"], arch["vocab_size"]) == (
+        "llama",
+        30,
+        576,
+        49152,
+    )
+    out = stage.local_dir(store, ref)
+    assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in out.iterdir())
+    assert teacher_flow(spec, str(tmp_path)) == ref  # reused, not converted again
