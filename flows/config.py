@@ -108,6 +108,39 @@ class PromptSpec(Spec):
         return self
 
 
+class ResponseSpec(Spec):
+    """How teacher responses are made; part of the responses key."""
+
+    source: Literal["teacher", "dataset"] = Field(
+        "teacher", description="Generate with the teacher, or use the dataset's reference responses"
+    )
+    max_new_tokens: int = Field(64, ge=1, le=32_768, description="Generation budget per response")
+    do_sample: bool = Field(False, description="Sample instead of greedy decoding")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
+    seed: int = Field(0, ge=0, description="Sampling seed")
+
+
+class AnchorSpec(Spec):
+    """What the anchors stage stores; every field is part of the anchors key."""
+
+    layers: tuple[int, ...] | Literal["all"] = Field(
+        "all", description="Decoder layers to capture (negative from the end)"
+    )
+    capture: Literal["residual"] = Field(
+        "residual", description="Raw decoder-layer output, before the final norm"
+    )
+    dtype: Literal["bf16", "int8"] = Field(
+        "bf16", description="bf16 bits, or int8 with exact outlier channels"
+    )
+    outlier_channels: int = Field(
+        8, ge=0, le=1024, description="int8: channels per layer kept exactly in bf16"
+    )
+    tokens: Literal["response", "all"] = Field(
+        "response", description="Store response tokens only, or every token"
+    )
+
+
 class RunOptions(Spec):
     """How to run; never part of a key."""
 
@@ -118,7 +151,7 @@ class RunOptions(Spec):
     progress: bool = Field(True, description="Show progress bars")
 
 
-STAGES = ("teacher", "prompts")
+STAGES = ("teacher", "prompts", "responses", "anchors")
 
 
 class PipelineConfig(Spec):
@@ -130,6 +163,8 @@ class PipelineConfig(Spec):
     )
     teacher: TeacherSpec = Field(default_factory=TeacherSpec)
     prompts: PromptSpec = Field(default_factory=PromptSpec)
+    responses: ResponseSpec = Field(default_factory=ResponseSpec)
+    anchors: AnchorSpec = Field(default_factory=AnchorSpec)
     run: RunOptions = Field(default_factory=RunOptions)
 
 

@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from prefect import flow
 
+from flows.anchors import anchors_flow, anchors_ref
 from flows.config import STAGES, PipelineConfig
 from flows.prompts import prompts_flow, prompts_ref
+from flows.responses import responses_flow, responses_ref
 from flows.teacher import teacher_flow, teacher_ref
 from stores.artifacts import ArtifactRef, ArtifactStore
 
-StageName = Literal["teacher", "prompts"]
+StageName = Literal["teacher", "prompts", "responses", "anchors"]
+Refs = dict[str, ArtifactRef]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One stage: how to name its artifact without running it, and how to run it."""
+
+    ref: Callable[[ArtifactStore, PipelineConfig, Refs], ArtifactRef]
+    run: Callable[[PipelineConfig, Refs], ArtifactRef]
+
+
+STEPS: dict[str, Step] = {
+    "teacher": Step(
+        lambda st, c, r: teacher_ref(st, c.teacher),
+        lambda c, r: teacher_flow(c.teacher, c.store, c.run),
+    ),
+    "prompts": Step(
+        lambda st, c, r: prompts_ref(st, c.prompts, r["teacher"]),
+        lambda c, r: prompts_flow(r["teacher"], c.prompts, c.teacher, c.store, c.run),
+    ),
+    "responses": Step(
+        lambda st, c, r: responses_ref(st, c.responses, c.teacher, r["prompts"], r["teacher"]),
+        lambda c, r: responses_flow(r["prompts"], r["teacher"], c.responses, c.teacher, c.store, c.run),
+    ),
+    "anchors": Step(
+        lambda st, c, r: anchors_ref(st, c.anchors, c.teacher, r["responses"], r["teacher"]),
+        lambda c, r: anchors_flow(r["responses"], r["teacher"], c.anchors, c.teacher, c.store, c.run),
+    ),
+}
 
 
 def stages_until(until: str) -> tuple[str, ...]:
@@ -20,27 +53,19 @@ def stages_until(until: str) -> tuple[str, ...]:
     return STAGES[: STAGES.index(until) + 1]
 
 
-def plan(config: PipelineConfig, until: str = STAGES[-1]) -> dict[str, ArtifactRef]:
+def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
     """The artifact every stage up to `until` would produce, computed from specs alone."""
     store = ArtifactStore(config.store)
-    refs: dict[str, ArtifactRef] = {}
-    wanted = stages_until(until)
-    refs["teacher"] = teacher_ref(store, config.teacher)
-    if "prompts" in wanted:
-        refs["prompts"] = prompts_ref(store, config.prompts, refs["teacher"])
+    refs: Refs = {}
+    for stage in stages_until(until):
+        refs[stage] = STEPS[stage].ref(store, config, refs)
     return refs
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(
-    config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]
-) -> dict[str, ArtifactRef]:
-    """teacher → prompts → …: each stage reuses its artifact when complete and resumes when partial."""
-    wanted = stages_until(until)
-    refs: dict[str, ArtifactRef] = {}
-    refs["teacher"] = teacher_flow(config.teacher, config.store, config.run)
-    if "prompts" in wanted:
-        refs["prompts"] = prompts_flow(
-            refs["teacher"], config.prompts, config.teacher, config.store, config.run
-        )
+def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
+    """teacher → prompts → responses → anchors: each stage reuses a complete artifact and resumes a partial one."""
+    refs: Refs = {}
+    for stage in stages_until(until):
+        refs[stage] = STEPS[stage].run(config, refs)
     return refs

@@ -151,6 +151,18 @@ class Location:
         if self.fs.exists(p):
             self.fs.rm(p, recursive=True)
 
+    def zarr_store(self, rel: str = "", read_only: bool = True) -> Any:
+        """A zarr v3 store for the folder `rel` below this location."""
+        import zarr.storage
+
+        if self.is_local:
+            return zarr.storage.LocalStore(self._p(rel), read_only=read_only)
+        return zarr.storage.FsspecStore.from_url(
+            f"{self.protocol}://{self._p(rel)}",
+            storage_options=self.storage_options or None,
+            read_only=read_only,
+        )
+
     def local_path(self) -> Path:
         """The local filesystem path; only for `file://` stores."""
         if not self.is_local:

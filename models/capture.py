@@ -1,0 +1,83 @@
+"""Layer capture with forward hooks: the raw residual stream after each selected decoder layer.
+
+Hooks hand each layer's output to a callback as soon as the layer runs, so the caller can copy the
+tokens it needs and let the tensor go: memory holds one layer at a time, unlike
+`output_hidden_states=True`, which keeps every layer and, for the last one, returns the output of
+the final norm instead of the layer (see DESIGN §3, anchors). Teacher anchors and student states
+are captured with this same code so that both sides are compared like with like.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from models.teacher import decoder_layers
+
+OnLayer = Callable[[int, torch.Tensor], None]  # (layer index, hidden (B, T, H))
+
+
+def resolve_layers(spec: Sequence[int] | str, num_layers: int) -> list[int]:
+    """`"all"` or a list of indices (negative counts from the end) to sorted unique indices."""
+    if spec == "all":
+        return list(range(num_layers))
+    if isinstance(spec, str):
+        raise ValueError(f"layers must be 'all' or a list of indices, got {spec!r}")
+    out = sorted({i + num_layers if i < 0 else i for i in spec})
+    bad = [i for i in out if not 0 <= i < num_layers]
+    if bad or not out:
+        raise ValueError(f"layers {list(spec)} out of range for a model with {num_layers} decoder layers")
+    return out
+
+
+_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _model_lock(model: torch.nn.Module) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(model, threading.Lock())
+
+
+@contextlib.contextmanager
+def capture_layers(model: torch.nn.Module, layers: Sequence[int], on_layer: OnLayer) -> Iterator[None]:
+    """Call `on_layer(i, hidden)` with decoder layer i's output during every forward in the block.
+
+    Hooks live on the (shared) model, so two threads capturing at once would each see the
+    other's forwards; the block holds a per-model lock for its whole duration.
+    """
+    stack = decoder_layers(model)
+    handles = []
+    lock = _model_lock(model)
+    lock.acquire()
+
+    def make_hook(index: int):
+        def hook(_module: torch.nn.Module, _inputs: tuple, output: torch.Tensor | tuple) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            on_layer(index, hidden)
+
+        return hook
+
+    try:
+        for i in layers:
+            handles.append(stack[i].register_forward_hook(make_hook(i)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        lock.release()
+
+
+def token_confidence(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probability of each target and the entropy of the predictive distribution.
+
+    logits (N, V) predicting targets (N,) -> confidence (N,), entropy (N,) in nats, computed in fp32.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    conf = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1).exp()
+    entropy = -(logp.exp() * logp).sum(-1)
+    return conf, entropy

@@ -1,0 +1,193 @@
+"""Anchor shards in Zarr v3, and the trainer-side reader.
+
+One shard is a group `part-NNNNN.zarr`:
+
+    hidden        (tokens, layers, hidden) uint16 bf16 bits, or int8 with the arrays below
+    scale         (tokens, layers) float16               int8 only: per-token-per-layer absmax/127
+    outlier_idx   (layers, k) int32                      int8 only: channels kept exactly
+    outlier_bits  (tokens, layers, k) uint16             int8 only: their bf16 bits
+    offsets       (samples + 1,) int64                   token range of each sample
+    sample_ids    (samples,) str
+    positions     (tokens,) int32                        position of each token in prompt+response
+    confidence    (tokens,) float16                      teacher p(next actual token)
+    entropy       (tokens,) float16                      teacher predictive entropy (nats)
+
+Attributes name the teacher key, tokenizer hash, layer list, capture point and dtype, so a
+consumer can refuse anchors that were made by another teacher or at another capture point.
+Hidden chunks hold one layer each, so reading some layers never reads the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import ZstdCodec
+
+from models.quant import Int8Block, dequantize_int8, from_bf16_bits
+from stores.artifacts import ArtifactRef, ArtifactStore
+from stores.uri import Location
+
+CHUNK_BYTES = 1 << 21  # ~2 MiB chunks: smaller ones are slow in zarr
+
+
+class AnchorMismatchError(ValueError):
+    """Anchors that do not fit the consumer: the message names both sides."""
+
+
+def _chunk_tokens(row_bytes: int, tokens: int) -> int:
+    return max(1, min(tokens, CHUNK_BYTES // max(row_bytes, 1)))
+
+
+def write_shard(
+    path: Path,
+    hidden: np.ndarray | Int8Block,
+    offsets: np.ndarray,
+    sample_ids: list[str],
+    positions: np.ndarray,
+    confidence: np.ndarray,
+    entropy: np.ndarray,
+    attrs: dict[str, Any],
+    zstd_level: int = 1,
+) -> None:
+    """Write one whole shard to a local path in a single pass (one writer, one write per array)."""
+    group = zarr.open_group(store=str(path), mode="w", zarr_format=3)
+    codec = [ZstdCodec(level=zstd_level)]
+    tokens = int(offsets[-1])
+
+    def put(name: str, data: np.ndarray, chunks: tuple[int, ...]) -> None:
+        arr = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, compressors=codec)
+        if data.size:
+            arr[...] = data
+
+    if isinstance(hidden, Int8Block):
+        _, layers, width = hidden.q.shape
+        ct = _chunk_tokens(width, tokens)
+        put("hidden", hidden.q, (ct, 1, width))
+        put("scale", hidden.scale, (ct, layers))
+        put("outlier_idx", hidden.outlier_idx, hidden.outlier_idx.shape or (1,))
+        put("outlier_bits", hidden.outlier_bits, (ct, layers, max(hidden.outlier_bits.shape[2], 1)))
+    else:
+        _, layers, width = hidden.shape
+        put("hidden", hidden, (_chunk_tokens(width * 2, tokens), 1, width))
+    put("offsets", offsets.astype(np.int64), (len(offsets),))
+    put("positions", positions.astype(np.int32), (max(tokens, 1),))
+    put("confidence", confidence.astype(np.float16), (max(tokens, 1),))
+    put("entropy", entropy.astype(np.float16), (max(tokens, 1),))
+    ids = group.create_array(
+        "sample_ids", shape=(len(sample_ids),), dtype=str, chunks=(max(len(sample_ids), 1),)
+    )
+    if sample_ids:
+        ids[...] = np.array(sample_ids, dtype=object)
+    group.attrs.update(attrs)
+
+
+def open_shard(loc: Location, name: str) -> zarr.Group:
+    """Open a published shard read-only through the store's one I/O door."""
+    return zarr.open_group(store=loc.zarr_store(name), mode="r", zarr_format=3)
+
+
+@dataclass(frozen=True)
+class _Where:
+    shard: str
+    start: int
+    end: int
+
+
+class AnchorReader:
+    """Random access to anchors: `(sample_id, layer) -> (tokens, hidden)` and sampled training batches."""
+
+    def __init__(self, store: ArtifactStore, ref: ArtifactRef):
+        manifest = store.manifest(ref)
+        self.loc = store.loc(ref)
+        self.meta: dict[str, Any] = manifest["metrics"]["anchor_attrs"]
+        self.layers: list[int] = list(self.meta["layers"])
+        self._groups: dict[str, zarr.Group] = {}
+        self._index: dict[str, _Where] = {}
+        for shard in manifest["shards"]:
+            g = self._group(shard)
+            offsets = g["offsets"][...]
+            for i, sid in enumerate(g["sample_ids"][...].tolist()):
+                self._index[str(sid)] = _Where(shard, int(offsets[i]), int(offsets[i + 1]))
+
+    def _group(self, shard: str) -> zarr.Group:
+        if shard not in self._groups:
+            self._groups[shard] = open_shard(self.loc, f"{shard}.zarr")
+        return self._groups[shard]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return list(self._index)
+
+    def check(self, **expected: Any) -> None:
+        """Refuse anchors whose provenance differs: e.g. check(teacher_key=…, capture="residual")."""
+        for name, want in expected.items():
+            have = self.meta.get(name)
+            if have != want:
+                raise AnchorMismatchError(
+                    f"anchors {name} mismatch: the anchors at {self.loc.uri} have {name}={have!r}, "
+                    f"the consumer expects {name}={want!r}; rebuild the anchors with the consumer's settings"
+                )
+
+    def _layer_pos(self, layers: list[int]) -> list[int]:
+        missing = [i for i in layers if i not in self.layers]
+        if missing:
+            raise AnchorMismatchError(
+                f"layers {missing} were not stored: the anchors hold layers {self.layers}, the consumer asked for "
+                f"{layers}; rebuild anchors with anchors.layers covering them"
+            )
+        return [self.layers.index(i) for i in layers]
+
+    def _decode(self, g: zarr.Group, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+        if self.meta["dtype"] == "int8":
+            block = Int8Block(
+                q=g["hidden"].get_orthogonal_selection((rows, layer_pos, slice(None))),
+                scale=g["scale"].get_orthogonal_selection((rows, layer_pos)),
+                outlier_idx=g["outlier_idx"][...][layer_pos],
+                outlier_bits=g["outlier_bits"].get_orthogonal_selection((rows, layer_pos, slice(None))),
+            )
+            return dequantize_int8(block)
+        bits = g["hidden"].get_orthogonal_selection((rows, layer_pos, slice(None)))
+        return from_bf16_bits(bits).float()
+
+    def get(self, sample_id: str, layer: int) -> torch.Tensor:
+        """One sample's stored tokens at one layer: float32 (tokens, hidden)."""
+        return self.sample(sample_id, [layer])[:, 0]
+
+    def sample(self, sample_id: str, layers: list[int]) -> torch.Tensor:
+        """float32 (tokens, len(layers), hidden) for one sample, reading only those layers."""
+        if sample_id not in self._index:
+            raise KeyError(f"sample {sample_id!r} has no anchors in {self.loc.uri}")
+        w = self._index[sample_id]
+        return self._decode(self._group(w.shard), slice(w.start, w.end), self._layer_pos(layers))
+
+    def scalars(self, sample_id: str) -> dict[str, np.ndarray]:
+        """positions, confidence and entropy of one sample's stored tokens."""
+        w = self._index[sample_id]
+        g = self._group(w.shard)
+        return {k: g[k][w.start : w.end] for k in ("positions", "confidence", "entropy")}
+
+    def batch(
+        self, sample_ids: list[str], layers: list[int], token_fraction: float, rng: np.random.Generator
+    ) -> list[dict[str, Any]]:
+        """For each sample, a random subset of its tokens at the given layers (for alignment losses)."""
+        pos = self._layer_pos(layers)
+        out = []
+        for sid in sample_ids:
+            w = self._index[sid]
+            n = w.end - w.start
+            k = max(1, int(round(token_fraction * n))) if n else 0
+            rows = np.sort(rng.choice(n, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
+            g = self._group(w.shard)
+            out.append(
+                {
+                    "sample_id": sid,
+                    "positions": g["positions"][w.start : w.end][rows],
+                    "hidden": self._decode(g, w.start + rows, pos),  # (k, len(layers), H)
+                }
+            )
+        return out

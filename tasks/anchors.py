@@ -1,0 +1,217 @@
+"""anchors stage: one teacher forward per sample; every selected layer's residual stream to Zarr."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+from tqdm import tqdm
+
+from flows.config import AnchorSpec, LoadSpec, RunOptions, TeacherSpec
+from models.capture import capture_layers, resolve_layers, token_confidence
+from models.quant import bf16_bits, from_bf16_bits, quantize_int8
+from models.teacher import decoder_layers
+from stores import anchors as anchor_store
+from stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
+from stores.keys import artifact_key, sha256_tree
+from stores.parquet import read_shard
+from tasks import teacher as teacher_stage
+from tasks.report import Progress
+
+STAGE = "anchors"
+FORMAT_VERSION = 1
+
+
+def key_spec(spec: AnchorSpec, load: LoadSpec) -> dict[str, Any]:
+    data = spec.model_dump(mode="json")
+    if spec.dtype != "int8":
+        data.pop("outlier_channels")
+    data["load"] = load.model_dump(mode="json")  # NF4 and bf16 teachers give different anchors
+    return data
+
+
+def key_for(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> str:
+    return artifact_key(
+        STAGE, FORMAT_VERSION, key_spec(spec, load), {"responses": responses_key, "teacher": teacher_key}
+    )
+
+
+@dataclass
+class Captured:
+    """One shard's anchors in memory, before encoding."""
+
+    bits: np.ndarray  # uint16 (T, L, H) bf16 bits
+    offsets: np.ndarray  # int64 (S + 1,)
+    positions: np.ndarray  # int32 (T,)
+    confidence: np.ndarray  # float32 (T,), NaN where no prediction exists (position 0)
+    entropy: np.ndarray  # float32 (T,)
+
+
+def selected_positions(prompt_len: int, response_len: int, tokens: str) -> np.ndarray:
+    start = prompt_len if tokens == "response" else 0
+    return np.arange(start, prompt_len + response_len, dtype=np.int64)
+
+
+@torch.no_grad()
+def capture_shard(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    layers: list[int],
+    tokens: str,
+    pad_id: int,
+    batch_size: int,
+    progress: Any = None,
+) -> Captured:
+    """Teacher forward over prompt+response per sample; hooks copy each layer's selected tokens out."""
+    device = next(model.parameters()).device
+    sel = [selected_positions(len(p), len(r), tokens) for p, r in zip(prompts, responses, strict=True)]
+    counts = np.array([len(s) for s in sel], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    total = int(offsets[-1])
+    width = model.config.get_text_config().hidden_size
+    bits = np.empty((total, len(layers), width), dtype=np.uint16)
+    positions = np.concatenate(sel).astype(np.int32) if sel else np.zeros(0, np.int32)
+    confidence = np.full(total, np.nan, dtype=np.float32)
+    entropy = np.full(total, np.nan, dtype=np.float32)
+    layer_pos = {layer: j for j, layer in enumerate(layers)}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model.base_model
+    head = model.get_output_embeddings()
+    for start in range(0, len(prompts), batch_size):
+        idx = list(range(start, min(start + batch_size, len(prompts))))
+        seqs = [prompts[i] + responses[i] for i in idx]
+        width_t = max(len(s) for s in seqs)
+        # Right padding: causal attention and the causal linear-attention scan never let a pad
+        # token influence an earlier real token, so captured states equal unpadded ones.
+        ids = torch.full((len(idx), width_t), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width_t), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)] = torch.tensor(s)
+            mask[b, : len(s)] = 1
+        b_idx = torch.cat([torch.full((len(sel[i]),), b, dtype=torch.long) for b, i in enumerate(idx)])
+        t_idx = torch.cat([torch.from_numpy(sel[i]) for i in idx])
+        row0, row1 = int(offsets[idx[0]]), int(offsets[idx[-1] + 1])
+
+        def on_layer(
+            layer: int, hidden: torch.Tensor, b_idx=b_idx, t_idx=t_idx, row0=row0, row1=row1
+        ) -> None:
+            # hidden (B, T, H) -> the selected tokens (n, H), as bf16 bits, straight into the shard buffer.
+            bits[row0:row1, layer_pos[layer]] = bf16_bits(
+                hidden[b_idx.to(hidden.device), t_idx.to(hidden.device)]
+            )
+
+        with capture_layers(model, layers, on_layer):
+            out = base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        # Teacher confidence of each selected token p comes from the logits at p-1; the LM head runs
+        # on those rows only instead of on every position of the batch.
+        has_pred = t_idx > 0
+        last = out.last_hidden_state[b_idx[has_pred].to(device), (t_idx[has_pred] - 1).to(device)]  # (n, H)
+        targets = ids[b_idx[has_pred], t_idx[has_pred]].to(device)
+        conf, ent = token_confidence(head(last), targets)
+        rows = np.arange(row0, row1)[has_pred.numpy()]
+        confidence[rows] = conf.float().cpu().numpy()
+        entropy[rows] = ent.float().cpu().numpy()
+        if progress is not None:
+            progress(len(idx))
+    return Captured(bits, offsets, positions, confidence, entropy)
+
+
+def teacher_attrs(store: ArtifactStore, teacher: ArtifactRef) -> dict[str, Any]:
+    """Provenance a consumer checks: the teacher key and a hash of its tokenizer files."""
+    marker = store.marker(teacher, teacher_stage.SHARD)
+    tok_files = {
+        k: v for k, v in marker["files"].items() if "token" in k.rsplit("/", 1)[-1] or k.endswith(".jinja")
+    }
+    return {"teacher_key": teacher.key, "tokenizer_sha256": sha256_tree(tok_files)}
+
+
+@task(name="anchors-shard", task_run_name="anchors-{shard}", tags=["gpu"])
+def anchors_shard(
+    store_uri: str,
+    ref: ArtifactRef,
+    shard: str,
+    spec: AnchorSpec,
+    responses: ArtifactRef,
+    teacher: ArtifactRef,
+    teacher_spec: TeacherSpec,
+    opts: RunOptions,
+) -> dict:
+    """Capture and write one shard `part-NNNNN.zarr` (whole, by this one worker) and its marker."""
+    store = ArtifactStore(store_uri)
+    timer = Timer()
+    rows = read_shard(store.loc(responses), f"{shard}.parquet").to_pylist()
+    model, tok = teacher_stage.load(store, teacher, teacher_spec, teacher_spec.load, opts.device)
+    layers = resolve_layers(spec.layers, len(decoder_layers(model)))
+    tracker = Progress(len(rows), f"anchors {shard}", every=opts.batch_size)
+    bar = tqdm(total=len(rows), desc=f"anchors {shard}", disable=not opts.progress, leave=False)
+
+    def advance(n: int) -> None:
+        bar.update(n)
+        tracker.advance(n)
+
+    cap = capture_shard(
+        model,
+        [r["prompt_ids"] for r in rows],
+        [r["response_ids"] for r in rows],
+        layers,
+        spec.tokens,
+        tok.pad_token_id,
+        opts.batch_size,
+        advance,
+    )
+    bar.close()
+    forward_seconds = timer.seconds
+    hidden = cap.bits
+    if spec.dtype == "int8":
+        hidden = quantize_int8(from_bf16_bits(cap.bits), k=spec.outlier_channels)
+    attrs = {
+        **teacher_attrs(store, teacher),
+        "responses_key": responses.key,
+        "layers": layers,
+        "num_model_layers": len(decoder_layers(model)),
+        "hidden_size": int(cap.bits.shape[2]),
+        "capture": spec.capture,
+        "dtype": spec.dtype,
+        "tokens": spec.tokens,
+        "load": teacher_spec.load.model_dump(mode="json"),
+    }
+    name = f"{shard}.zarr"
+    with store.shard_output(ref, name) as path:
+        anchor_store.write_shard(
+            path,
+            hidden,
+            cap.offsets,
+            [r["sample_id"] for r in rows],
+            cap.positions,
+            cap.confidence,
+            cap.entropy,
+            attrs,
+        )
+        files = {f"{name}/{rel}": h for rel, h in hash_local_tree(path).items()}
+    tokens = int(cap.offsets[-1])
+    stats = {
+        "rows": len(rows),
+        "tokens": tokens,
+        "raw_bf16_bytes": int(cap.bits.nbytes),
+        "forward_seconds": round(forward_seconds, 3),
+        "seconds": round(timer.seconds, 3),
+        "attrs": attrs,
+    }
+    return store.write_marker(ref, shard, files, stats)
+
+
+def summarise(markers: dict[str, dict]) -> dict[str, Any]:
+    tokens = sum(m["tokens"] for m in markers.values())
+    stored = sum(m["bytes"] for m in markers.values())
+    raw = sum(m["raw_bf16_bytes"] for m in markers.values())
+    seconds = sum(m["seconds"] for m in markers.values())
+    first = next(iter(markers.values()))
+    return {
+        "anchor_attrs": first["attrs"],
+        "bytes_per_token": round(stored / max(tokens, 1), 1),
+        "bytes_ratio_vs_bf16": round(stored / max(raw, 1), 4),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+    }
