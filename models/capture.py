@@ -72,12 +72,21 @@ def capture_layers(model: torch.nn.Module, layers: Sequence[int], on_layer: OnLa
         lock.release()
 
 
-def token_confidence(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_confidence(
+    logits: torch.Tensor, targets: torch.Tensor, chunk: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Probability of each target and the entropy of the predictive distribution.
 
-    logits (N, V) predicting targets (N,) -> confidence (N,), entropy (N,) in nats, computed in fp32.
+    logits (N, V) predicting targets (N,) -> confidence (N,), entropy (N,) in nats, computed in fp32
+    in row chunks so that a 250k vocabulary never needs more than one (chunk, V) temporary.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
-    conf = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1).exp()
-    entropy = -(logp.exp() * logp).sum(-1)
-    return conf, entropy
+    confs, ents = [], []
+    for i in range(0, logits.shape[0], chunk):
+        rows = logits[i : i + chunk].float()  # (n, V)
+        lse = torch.logsumexp(rows, dim=-1)  # (n,)
+        probs = torch.softmax(rows, dim=-1)
+        ents.append(lse - torch.linalg.vecdot(probs, rows))  # H = logsumexp - E_p[logit]
+        confs.append((rows.gather(-1, targets[i : i + chunk].long().unsqueeze(-1)).squeeze(-1) - lse).exp())
+    if not confs:
+        return logits.new_zeros(0, dtype=torch.float32), logits.new_zeros(0, dtype=torch.float32)
+    return torch.cat(confs), torch.cat(ents)

@@ -1,0 +1,59 @@
+"""Shared benchmark helpers: the teacher under test, token batches, and the JSON result file."""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.teacher import build_random_teacher, convert_smollm2, load_teacher
+from stores import bundled
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def teacher(kind: str, cache: Path | None = None):
+    """`smollm2` (the packaged GGUF, converted once) or `tiny` (random 64-layer qwen3_5)."""
+    cache = cache or Path(tempfile.gettempdir()) / "a2d-bench"
+    path = cache / kind
+    if not (path / "config.json").exists():
+        if kind == "smollm2":
+            convert_smollm2(path, "float32")
+        else:
+            build_random_teacher("qwen3_5", 64, 64, 0, path, "float32")
+    return load_teacher(path, device="cpu")
+
+
+def token_batches(tok: Any, samples: int, seq_len: int) -> list[list[int]]:
+    """`samples` sequences of exactly `seq_len` tokens of chat-templated bundled problems and answers."""
+    rows = bundled.generate(samples * 8, seed=1)
+    out, buf = [], []
+    for row in rows:
+        msgs = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+        buf += tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)["input_ids"]
+        while len(buf) >= seq_len and len(out) < samples:
+            out.append(buf[:seq_len])
+            buf = buf[seq_len:]
+    if len(out) < samples:
+        raise RuntimeError("not enough bundled text for the requested batches")
+    return out
+
+
+def write_result(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {
+        **result,
+        "machine": {
+            "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return path

@@ -1,0 +1,148 @@
+"""anchors: stored states equal the teacher's own layer outputs; int8; reader checks; kill and resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from flows.pipeline import pipeline, plan
+from models.capture import capture_layers
+from models.quant import cosine_stats, from_bf16_bits
+from models.teacher import build_random_teacher, decoder_layers, load_teacher
+from stores.anchors import AnchorMismatchError, AnchorReader
+from stores.artifacts import ArtifactStore
+from tasks.anchors import capture_shard
+from tests.conftest import ROOT, tiny_config
+
+SMALL = ["prompts.bundled_rows=12", "prompts.rows_per_shard=4", "responses.max_new_tokens=8"]
+
+
+def reference_states(model, seq: list[int]) -> list[torch.Tensor]:
+    """Every decoder layer's output for one unpadded sequence, the last one taken before the final norm."""
+    n = len(decoder_layers(model))
+    out = [None] * n
+    with capture_layers(model, range(n), lambda i, h: out.__setitem__(i, h[0].detach().clone())):
+        hs = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    for i in range(n - 1):  # the hooks agree with output_hidden_states wherever the latter is pre-norm
+        assert torch.equal(out[i], hs[i + 1][0])
+    assert not torch.allclose(out[-1], hs[-1][0])  # hidden_states[-1] is after the final norm
+    return out
+
+
+@pytest.mark.parametrize("arch,layers", [("qwen3_5", 64), ("llama", 4)])
+def test_stored_states_equal_layer_outputs(tmp_path, arch, layers):
+    build_random_teacher(arch, layers, 64, 0, tmp_path / "t", "float32")
+    model, tok = load_teacher(tmp_path / "t", device="cpu")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 9, 3)]
+    responses = [rng.integers(0, 256, size=n).tolist() for n in (4, 2, 7)]
+    cap = capture_shard(
+        model, prompts, responses, list(range(layers)), "response", tok.pad_token_id, batch_size=2
+    )
+    assert cap.bits.shape == (13, layers, 64) and cap.offsets.tolist() == [0, 4, 6, 13]
+    got = from_bf16_bits(cap.bits).float()
+    for s, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ref = reference_states(model, p + r)
+        rows = slice(cap.offsets[s], cap.offsets[s + 1])
+        assert cap.positions[rows].tolist() == list(range(len(p), len(p) + len(r)))
+        for i in range(layers):
+            want = ref[i][len(p) :]
+            torch.testing.assert_close(got[rows, i], want, atol=1e-5, rtol=2**-7)  # bf16 rounding
+        # confidence is the teacher's probability of each actual response token
+        with torch.no_grad():
+            logits = model(torch.tensor([p + r])).logits[0]
+        probs = torch.softmax(logits[len(p) - 1 : -1], -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.from_numpy(cap.confidence[rows]), probs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def anchored(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("anchors"))
+    cfg = tiny_config(store, *SMALL, "anchors.layers=[0, 31, -1]")
+    refs = pipeline(cfg, until="anchors")
+    return store, cfg, refs
+
+
+def test_reader_round_trip_and_provenance_checks(anchored):
+    store, cfg, refs = anchored
+    reader = AnchorReader(ArtifactStore(store), refs["anchors"])
+    assert reader.layers == [0, 31, 63]
+    sid = reader.sample_ids[0]
+    one = reader.get(sid, 31)
+    both = reader.sample(sid, [0, 63])
+    assert one.shape == (both.shape[0], 64) and both.shape[1] == 2
+    reader.check(teacher_key=refs["teacher"].key, capture="residual")
+    with pytest.raises(AnchorMismatchError, match=r"layers \[5\] were not stored.*hold layers \[0, 31, 63\]"):
+        reader.get(sid, 5)
+    with pytest.raises(AnchorMismatchError, match="teacher_key='.*'.*expects teacher_key='deadbeefdeadbeef'"):
+        reader.check(teacher_key="deadbeefdeadbeef")
+    with pytest.raises(AnchorMismatchError, match="tokenizer_sha256"):
+        reader.check(tokenizer_sha256="0" * 64)
+    batch = reader.batch(reader.sample_ids[:2], [31], 0.5, np.random.default_rng(0))
+    assert (
+        batch[0]["hidden"].shape[1:] == (1, 64) and len(batch[0]["positions"]) == batch[0]["hidden"].shape[0]
+    )
+
+
+def test_int8_anchors_are_close_and_smaller(anchored):
+    store, cfg, refs = anchored
+    st = ArtifactStore(store)
+    cfg8 = tiny_config(
+        store, *SMALL, "anchors.layers=[0, 31, -1]", "anchors.dtype=int8", "anchors.outlier_channels=4"
+    )
+    ref8 = pipeline(cfg8, until="anchors")["anchors"]
+    assert ref8.key != refs["anchors"].key and ref8 != refs["anchors"]
+    bf, i8 = AnchorReader(st, refs["anchors"]), AnchorReader(st, ref8)
+    sid = bf.sample_ids[0]
+    stats = cosine_stats(bf.sample(sid, [0, 31, 63]), i8.sample(sid, [0, 31, 63]))
+    assert stats["mean_cos"] > 0.999
+    assert st.manifest(ref8)["bytes"] < st.manifest(refs["anchors"])["bytes"]
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from stores.artifacts import ArtifactStore
+    original = ArtifactStore.write_marker
+    def write_marker(self, ref, shard, files, stats):
+        out = original(self, ref, shard, files, stats)
+        if ref.stage == "anchors":
+            os.kill(os.getpid(), signal.SIGKILL)  # die right after the first anchors shard is finished
+        return out
+    ArtifactStore.write_marker = write_marker
+    from flows.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_anchors_then_rerun_matches_uninterrupted(tmp_path):
+    killed, clean = str(tmp_path / "killed"), str(tmp_path / "clean")
+    args = ["run", f"{ROOT}/configs/tiny.yaml", "--until", "anchors", *sum((["--set", s] for s in SMALL), [])]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "ph"), "PYTHONPATH": ROOT}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, *args, "--store", killed], env=env, cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == -signal.SIGKILL
+    st = ArtifactStore(killed)
+    aref = plan(tiny_config(killed, *SMALL), "anchors")["anchors"]
+    assert not st.is_complete(aref)
+    done = {m[: -len(".json")] for m in st.loc(aref).listdir("_markers")}
+    assert 1 <= len(done) < 3
+    before = {s: os.stat(st.loc(aref).local_path() / f"{s}.zarr" / "zarr.json").st_mtime_ns for s in done}
+
+    pipeline(tiny_config(killed, *SMALL), until="anchors")
+    pipeline(tiny_config(clean, *SMALL), until="anchors")
+    a, b = st.manifest(aref), ArtifactStore(clean).manifest(aref)
+    assert {s: m["sha256"] for s, m in a["shards"].items()} == {
+        s: m["sha256"] for s, m in b["shards"].items()
+    }
+    after = {s: os.stat(st.loc(aref).local_path() / f"{s}.zarr" / "zarr.json").st_mtime_ns for s in done}
+    assert after == before  # finished shards were not recomputed
