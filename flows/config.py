@@ -141,6 +141,18 @@ class AnchorSpec(Spec):
     )
 
 
+class TrajectorySpec(Spec):
+    """How pseudo-trajectories are made; part of the trajectories key."""
+
+    source: Literal["teacher-confidence"] = Field(
+        "teacher-confidence", description="Order positions by the teacher's confidence from the anchors stage"
+    )
+    block_size: int = Field(32, ge=1, le=32_768, description="Semi-AR block; >= response length means global")
+    steps_per_block: int = Field(
+        8, ge=1, le=32_768, description="Denoising steps per block (d3LLM teachers: = block_size)"
+    )
+
+
 class RunOptions(Spec):
     """How to run; never part of a key."""
 
@@ -151,7 +163,7 @@ class RunOptions(Spec):
     progress: bool = Field(True, description="Show progress bars")
 
 
-STAGES = ("teacher", "prompts", "responses", "anchors")
+STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories")
 
 
 class PipelineConfig(Spec):
@@ -165,6 +177,7 @@ class PipelineConfig(Spec):
     prompts: PromptSpec = Field(default_factory=PromptSpec)
     responses: ResponseSpec = Field(default_factory=ResponseSpec)
     anchors: AnchorSpec = Field(default_factory=AnchorSpec)
+    trajectories: TrajectorySpec = Field(default_factory=TrajectorySpec)
     run: RunOptions = Field(default_factory=RunOptions)
 
 

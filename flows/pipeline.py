@@ -13,9 +13,10 @@ from flows.config import STAGES, PipelineConfig
 from flows.prompts import prompts_flow, prompts_ref
 from flows.responses import responses_flow, responses_ref
 from flows.teacher import teacher_flow, teacher_ref
+from flows.trajectories import trajectories_flow, trajectories_ref
 from stores.artifacts import ArtifactRef, ArtifactStore
 
-StageName = Literal["teacher", "prompts", "responses", "anchors"]
+StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories"]
 Refs = dict[str, ArtifactRef]
 
 
@@ -44,6 +45,10 @@ STEPS: dict[str, Step] = {
         lambda st, c, r: anchors_ref(st, c.anchors, c.teacher, r["responses"], r["teacher"]),
         lambda c, r: anchors_flow(r["responses"], r["teacher"], c.anchors, c.teacher, c.store, c.run),
     ),
+    "trajectories": Step(
+        lambda st, c, r: trajectories_ref(st, c.trajectories, r["responses"], r["anchors"]),
+        lambda c, r: trajectories_flow(r["responses"], r["anchors"], c.trajectories, c.store, c.run),
+    ),
 }
 
 
@@ -64,7 +69,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
-    """teacher → prompts → responses → anchors: each stage reuses a complete artifact and resumes a partial one."""
+    """teacher → prompts → responses → anchors → trajectories: each stage reuses a complete artifact and resumes a partial one."""
     refs: Refs = {}
     for stage in stages_until(until):
         refs[stage] = STEPS[stage].run(config, refs)
