@@ -152,7 +152,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from deployments.serve import serve
 
-    serve(args.config, cron=args.cron)
+    overrides = list(args.set or [])
+    if args.store:
+        overrides.append(f"store={args.store}")
+    elif os.environ.get("A2D_STORE"):
+        overrides.append(f"store={os.environ['A2D_STORE']}")
+    serve(args.config, cron=args.cron, overrides=overrides, gpu_slots=args.gpu_slots)
     return 0
 
 
@@ -188,9 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(fn=cmd_verify)
 
-    serve = sub.add_parser("serve", help="serve the deployments to the Prefect server at PREFECT_API_URL")
-    serve.add_argument("--config", default=None, help="default parameters for the deployments")
-    serve.add_argument("--cron", default=None, help="cron schedule for regenerate-data")
+    serve = with_store(
+        sub.add_parser(
+            "serve", help="serve every flow as a deployment to the Prefect server at PREFECT_API_URL"
+        )
+    )
+    serve.add_argument(
+        "--config", default=None, help="YAML config giving every deployment's default parameters"
+    )
+    serve.add_argument("--set", action="append", metavar="K=V", help="override a config field")
+    serve.add_argument("--cron", default=None, help='cron schedule for regenerate-data, e.g. "0 3 * * *"')
+    serve.add_argument(
+        "--gpu-slots", type=int, default=1, help="slots of the `gpu` concurrency limit when creating it"
+    )
     serve.set_defaults(fn=cmd_serve)
     return p
 

@@ -153,6 +153,73 @@ class TrajectorySpec(Spec):
     )
 
 
+class HeadSpec(Spec):
+    """The QLoRA diffusion head: student, attention, losses and optimisation; all part of the head key."""
+
+    quantization: Literal["nf4", "none"] = Field(
+        "nf4", description="Base weights in NF4 (QLoRA) or the teacher dtype"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype (bfloat16 on GPU)")
+    lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha")
+    rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha/sqrt(r)")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    attention: Literal["bidirectional", "block"] = Field(
+        "bidirectional", description="Attention mode of the student"
+    )
+    linear_attention: Literal["causal", "bidirectional"] = Field(
+        "bidirectional", description="Hybrid models: linear-attention scan direction(s)"
+    )
+    block_size: int = Field(32, ge=1, le=8192, description="Block size for block attention and decoding")
+    logit_alignment: Literal["shifted", "aligned"] = Field(
+        "shifted", description="shifted: logits at i predict token i+1 (AR-style); aligned: token i"
+    )
+    mask_schedule: Literal["trajectory", "uniform"] = Field(
+        "trajectory", description="d3LLM trajectory curriculum, or t ~ U(eps, 1) per sequence"
+    )
+    eps: float = Field(1e-3, gt=0.0, lt=1.0, description="uniform: smallest mask ratio")
+    r_min_start: float = Field(0.0, ge=0.0, le=1.0, description="trajectory: lower bound of r at the start")
+    r_min_end: float = Field(0.8, ge=0.0, le=1.0, description="trajectory: lower bound of r at the end")
+    r_max: float = Field(0.8, gt=0.0, le=1.0, description="trajectory: upper bound of r")
+    window_sizes: tuple[int, ...] = Field((16, 24, 32), description="trajectory: window size schedule")
+    complementary: bool = Field(True, description="Also train on the complementary mask")
+    weighting: Literal["none", "inv_t", "min_snr"] = Field("none", description="Per-sample CE weight from t")
+    normaliser: Literal["masked", "supervised"] = Field(
+        "masked", description="Divide by masked or supervised tokens"
+    )
+    align_weight: float = Field(0.25, ge=0.0, le=100.0, description="λ of the anchor alignment (0 disables)")
+    align_schedule: Literal["constant", "linear_decay"] = Field("constant", description="λ(step)")
+    align_layers: int = Field(4, ge=1, le=1024, description="Stored layers sampled per step for alignment")
+    align_token_fraction: float = Field(
+        0.25, gt=0.0, le=1.0, description="Share of tokens aligned per sample"
+    )
+    steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps")
+    micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per micro-batch per process")
+    grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step per process")
+    lr: float = Field(2e-4, gt=0.0, le=1.0, description="Peak learning rate")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
+    warmup_steps: int = Field(5, ge=0, description="Linear warmup steps")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping")
+    max_seq_len: int = Field(
+        512, ge=8, le=131_072, description="Prompt+response tokens per sample (longer are cut)"
+    )
+    seed: int = Field(0, ge=0, description="Seed of data order, masks and layer sampling")
+
+
+class TrainOptions(Spec):
+    """How training runs; never part of a key."""
+
+    checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (also on SIGTERM)")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward")
+    num_processes: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per machine for accelerate")
+    num_machines: int = Field(1, ge=1, le=1024, description="Machines for accelerate")
+    distributed: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-process strategy")
+    log_every: int = Field(5, ge=1, description="Steps between log lines")
+    wandb_project: str | None = Field(None, description="W&B project (mode from WANDB_MODE; off by default)")
+
+
 class RunOptions(Spec):
     """How to run; never part of a key."""
 
@@ -163,7 +230,7 @@ class RunOptions(Spec):
     progress: bool = Field(True, description="Show progress bars")
 
 
-STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories")
+STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head")
 
 
 class PipelineConfig(Spec):
@@ -178,6 +245,8 @@ class PipelineConfig(Spec):
     responses: ResponseSpec = Field(default_factory=ResponseSpec)
     anchors: AnchorSpec = Field(default_factory=AnchorSpec)
     trajectories: TrajectorySpec = Field(default_factory=TrajectorySpec)
+    head: HeadSpec = Field(default_factory=HeadSpec)
+    train: TrainOptions = Field(default_factory=TrainOptions)
     run: RunOptions = Field(default_factory=RunOptions)
 
 

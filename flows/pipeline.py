@@ -10,13 +10,14 @@ from prefect import flow
 
 from flows.anchors import anchors_flow, anchors_ref
 from flows.config import STAGES, PipelineConfig
+from flows.head import head_flow, head_ref
 from flows.prompts import prompts_flow, prompts_ref
 from flows.responses import responses_flow, responses_ref
 from flows.teacher import teacher_flow, teacher_ref
 from flows.trajectories import trajectories_flow, trajectories_ref
 from stores.artifacts import ArtifactRef, ArtifactStore
 
-StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories"]
+StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head"]
 Refs = dict[str, ArtifactRef]
 
 
@@ -49,6 +50,20 @@ STEPS: dict[str, Step] = {
         lambda st, c, r: trajectories_ref(st, c.trajectories, r["responses"], r["anchors"]),
         lambda c, r: trajectories_flow(r["responses"], r["anchors"], c.trajectories, c.store, c.run),
     ),
+    "head": Step(
+        lambda st, c, r: head_ref(st, c.head, r["teacher"], r["anchors"], r["trajectories"]),
+        lambda c, r: head_flow(
+            r["teacher"],
+            r["responses"],
+            r["anchors"],
+            r["trajectories"],
+            c.head,
+            c.teacher,
+            c.train,
+            c.store,
+            c.run,
+        ),
+    ),
 }
 
 
@@ -69,7 +84,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
-    """teacher → prompts → responses → anchors → trajectories: each stage reuses a complete artifact and resumes a partial one."""
+    """teacher → prompts → responses → anchors → trajectories → head: each stage reuses a complete artifact and resumes a partial one."""
     refs: Refs = {}
     for stage in stages_until(until):
         refs[stage] = STEPS[stage].run(config, refs)

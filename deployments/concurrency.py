@@ -1,0 +1,73 @@
+"""The `gpu` global concurrency limit: created by `a2d serve`, held by the heavy shard tasks.
+
+One slot is one accelerator's worth of work. A shard that loads the teacher and runs it holds a
+slot for that stretch, so two served runs (or one run with `workers > 1`) queue for the device
+instead of running out of its memory. Outside a run, or against a server without the limit (the
+test harness, a local `a2d run`), the slot is a no-op: the limit is an operations choice, not
+something the computation depends on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.exceptions import ObjectNotFound
+
+GPU_LIMIT = "gpu"
+
+# A lease is renewed while the slot is held; a long forward pass must not be killed because one
+# renewal call failed, so renewal failures are logged rather than raised.
+LEASE_SECONDS = 300.0
+
+
+def limit_exists(name: str = GPU_LIMIT) -> bool:
+    """Whether the server at PREFECT_API_URL has a global concurrency limit called `name`."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            return False
+    return True
+
+
+def ensure_limit(name: str = GPU_LIMIT, slots: int = 1) -> bool:
+    """Create the global concurrency limit `name` with `slots` slots unless it exists; True if created.
+
+    An existing limit is left as it is: an operator may have resized it for a bigger machine.
+    """
+    if slots < 1:
+        raise ValueError(f"--gpu-slots must be at least 1 (got {slots})")
+    if limit_exists(name):
+        return False
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+    return True
+
+
+def _in_run() -> bool:
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+@contextmanager
+def gpu_slot(occupy: int = 1, name: str = GPU_LIMIT) -> Iterator[None]:
+    """Hold `occupy` slots of the `gpu` limit while the block runs, when the server has that limit.
+
+    Waits (without a timeout) until a slot is free; the slot is released when the block exits,
+    also on an exception. `name` is for tests, which must not touch the real limit.
+    """
+    if not _in_run() or not limit_exists(name):
+        yield
+        return
+    with concurrency(
+        name,
+        occupy=occupy,
+        lease_duration=LEASE_SECONDS,
+        strict=True,
+        raise_on_lease_renewal_failure=False,
+    ):
+        yield

@@ -1,0 +1,200 @@
+"""`a2d serve`: one Prefect deployment per stage flow, the pipeline and regenerate-data, served locally.
+
+Every deployment's default parameters come from one config, so a run started from the UI without
+edits runs that config. The stage flows are found from `flows.pipeline.STEPS` by convention
+(`flows/<stage>.py:<stage>_flow`), so a stage added there is served without touching this file;
+only whether it needs a GPU is declared here (`GPU_FLOWS`), and a test checks that against the
+`gpu` tags of the stage's tasks.
+
+    prefect server start --host 127.0.0.1 &
+    export PREFECT_API_URL=http://127.0.0.1:4200/api
+    a2d serve --config configs/tiny.yaml
+    prefect deployment run 'pipeline/tiny' --params '{"until": "prompts"}'
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import Flow
+from prefect.deployments.runner import RunnerDeployment
+from prefect.types.entrypoint import EntrypointType
+
+from deployments.concurrency import GPU_LIMIT, ensure_limit
+from flows.config import PipelineConfig, load_config
+
+log = logging.getLogger("a2d.serve")
+
+# Flows whose runs load and run a model: the Kubernetes pool gives these `nvidia.com/gpu: 1`.
+GPU_FLOWS = frozenset({"responses", "anchors", "head", "pipeline", "regenerate-data"})
+
+# Flows served besides one per stage: (flow name, module, attribute).
+EXTRA_FLOWS = (
+    ("pipeline", "flows.pipeline", "pipeline"),
+    ("regenerate-data", "flows.regenerate", "regenerate_data"),
+)
+
+NO_SERVER = (
+    "PREFECT_API_URL is not set, so there is no Prefect server to serve to. Start one and point at it:\n"
+    "    prefect server start --host 127.0.0.1\n"
+    "    export PREFECT_API_URL=http://127.0.0.1:4200/api\n"
+    "then run `a2d serve` again"
+)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One served flow: where it lives and whether its runs need a GPU."""
+
+    name: str
+    module: str
+    attr: str
+
+    @property
+    def entrypoint(self) -> str:
+        """The `prefect.yaml` form: `flows/anchors.py:anchors_flow`."""
+        return f"{self.module.replace('.', '/')}.py:{self.attr}"
+
+    @property
+    def gpu(self) -> bool:
+        return self.name in GPU_FLOWS
+
+    def load(self) -> Flow:
+        flow = getattr(importlib.import_module(self.module), self.attr)
+        if not isinstance(flow, Flow) or flow.name != self.name:
+            raise TypeError(f"{self.entrypoint} is not the Prefect flow named {self.name!r}")
+        return flow
+
+
+def registry() -> list[Served]:
+    """Every served flow, stages in pipeline order first: `flows/<stage>.py:<stage>_flow` per stage."""
+    from flows.pipeline import STEPS
+
+    stages = [Served(stage, f"flows.{stage}", f"{stage}_flow") for stage in STEPS]
+    return stages + [Served(*extra) for extra in EXTRA_FLOWS]
+
+
+def planned_refs(config: PipelineConfig) -> dict[str, Any]:
+    """Every stage's `ArtifactRef` under `config`, from specs alone (nothing runs)."""
+    from flows.pipeline import STEPS
+    from stores.artifacts import ArtifactStore
+
+    store = ArtifactStore(config.store)
+    refs: dict[str, Any] = {}
+    for stage, step in STEPS.items():
+        refs[stage] = step.ref(store, config, refs)
+    return refs
+
+
+def default_parameters(flow: Flow, stage: str, config: PipelineConfig) -> dict[str, Any]:
+    """The flow's parameters filled from `config`, by the names every a2d flow uses.
+
+    `config` is the whole config; `spec` the stage's own spec; `teacher_spec`, `store` and `opts`
+    the shared parts; a parameter named after a stage is that stage's planned `ArtifactRef`, and
+    any other parameter named after a config field (`train`, say) is that field. A required
+    parameter with nothing to fill it is an error here rather than a form nobody can submit.
+    """
+    shared: dict[str, Any] = {
+        "config": config,
+        "teacher_spec": config.teacher,
+        "store": config.store,
+        "opts": config.run,
+    }
+    if stage in PipelineConfig.model_fields:
+        shared["spec"] = getattr(config, stage)
+    params: dict[str, Any] = {}
+    refs: dict[str, Any] | None = None
+    for name, p in inspect.signature(flow.fn).parameters.items():
+        if name in shared:
+            params[name] = shared[name]
+            continue
+        refs = planned_refs(config) if refs is None else refs
+        if name in refs:
+            params[name] = refs[name]
+        elif name in PipelineConfig.model_fields:
+            params[name] = getattr(config, name)
+        elif p.default is inspect.Parameter.empty:
+            raise TypeError(
+                f"flow {flow.name!r} parameter {name!r} has no default and no config field to fill it: "
+                "name it after a config field or an upstream stage"
+            )
+    return {k: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for k, v in params.items()}
+
+
+def absolute_store(config: PipelineConfig) -> PipelineConfig:
+    """A local relative store is resolved now, so runs write where `a2d serve` was started."""
+    from stores.uri import normalise_uri
+
+    uri = normalise_uri(config.store)
+    store = uri.removeprefix("file://") if uri.startswith("file://") else uri
+    return config.model_copy(update={"store": store})
+
+
+def build_deployments(config: PipelineConfig, cron: str | None = None) -> list[RunnerDeployment]:
+    """One deployment per served flow, named after the config, parameters validated by the server."""
+    if "/" in config.name:
+        raise ValueError(f"config name {config.name!r} names the deployments and cannot contain '/'")
+    config = absolute_store(config)
+    deployments = []
+    for served in registry():
+        flow = served.load()
+        deployments.append(
+            flow.to_deployment(
+                name=config.name,
+                parameters=default_parameters(flow, served.name, config),
+                cron=cron if served.name == "regenerate-data" else None,
+                tags=["a2d", "gpu" if served.gpu else "cpu"],
+                description=f"{inspect.getdoc(flow.fn) or flow.name}\n\nDefaults: config {config.name!r}, store {config.store}.",
+                enforce_parameter_schema=True,
+                entrypoint_type=EntrypointType.MODULE_PATH,
+            )
+        )
+    return deployments
+
+
+def check_server() -> str:
+    """The API URL of a reachable Prefect server, or a ValueError saying how to start one."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ValueError(NO_SERVER)
+    with get_client(sync_client=True) as client:
+        problem = client.api_healthcheck()
+    if problem is not None:
+        raise ValueError(
+            f"cannot reach the Prefect server at PREFECT_API_URL={url} ({problem}); "
+            "is `prefect server start --host 127.0.0.1` running?"
+        )
+    return url
+
+
+def serve(
+    config_path: str | None,
+    cron: str | None = None,
+    overrides: list[str] | None = None,
+    gpu_slots: int = 1,
+) -> None:
+    """Serve every deployment to the server at PREFECT_API_URL until interrupted.
+
+    `cron` schedules `regenerate-data` (e.g. "0 3 * * *"); the `gpu` global concurrency limit is
+    created with `gpu_slots` slots when the server does not have it yet.
+    """
+    from prefect import serve as prefect_serve
+
+    config = load_config(config_path, overrides)
+    url = check_server()
+    deployments = build_deployments(config, cron)
+    created = ensure_limit(GPU_LIMIT, gpu_slots)
+    log.info(
+        "global concurrency limit %r %s on %s",
+        GPU_LIMIT,
+        f"created with {gpu_slots} slot(s)" if created else "already exists",
+        url,
+    )
+    prefect_serve(*deployments)

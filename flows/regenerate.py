@@ -1,0 +1,83 @@
+"""regenerate-data flow: re-derive the data stages from a config, reusing what has not changed.
+
+prompts → responses → anchors → trajectories, after the teacher (reused when complete). Each stage
+is content-addressed, so a run rebuilds exactly the stages whose inputs changed (a new dataset
+revision, edited prompt files, a different generation budget) and reuses the rest. Served with a
+schedule this keeps the data current:
+
+    a2d serve --config configs/demo.yaml --cron "0 3 * * *"     # regenerate-data/<name> nightly at 03:00
+
+The run ends with a Markdown artifact (`a2d-regenerate-data`) naming what was reused and rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import PipelineConfig
+from flows.pipeline import STEPS, Refs
+from stores.artifacts import ArtifactStore, Timer
+from tasks.report import in_prefect_run
+from tasks.stage import logger
+
+# The stages that make training data; the teacher comes first because they all hang off its key.
+DATA_STAGES = ("prompts", "responses", "anchors", "trajectories")
+ARTIFACT_KEY = "a2d-regenerate-data"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one stage: reused when its artifact was complete before the stage ran."""
+
+    stage: str
+    key: str
+    reused: bool
+    seconds: float
+
+
+def summary(config: PipelineConfig, outcomes: list[Outcome]) -> str:
+    """The Markdown report: one row per stage, then the lists of reused and rebuilt stages."""
+    rebuilt = [o.stage for o in outcomes if not o.reused]
+    reused = [o.stage for o in outcomes if o.reused]
+    lines = [
+        f"# regenerate-data `{config.name}`",
+        "",
+        f"Store: `{config.store}`",
+        "",
+        "| stage | key | outcome | seconds |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {o.stage} | `{o.key}` | {'reused' if o.reused else 'rebuilt'} | {o.seconds:.1f} |"
+        for o in outcomes
+    ]
+    lines += [
+        "",
+        f"- reused: {', '.join(reused) or 'none'}",
+        f"- rebuilt: {', '.join(rebuilt) or 'none'}",
+    ]
+    return "\n".join(lines)
+
+
+@flow(name="regenerate-data", log_prints=True)
+def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
+    """Rebuild prompts → responses → anchors → trajectories where their inputs changed; the teacher is reused."""
+    log = logger()
+    store = ArtifactStore(config.store)
+    refs: Refs = {}
+    outcomes: list[Outcome] = []
+    for stage in ("teacher", *DATA_STAGES):
+        step = STEPS[stage]
+        # Decided before the stage runs: a complete manifest means the stage only re-verifies it.
+        reused = store.is_complete(step.ref(store, config, refs))
+        timer = Timer()
+        refs[stage] = step.run(config, refs)
+        outcomes.append(Outcome(stage, refs[stage].key, reused, timer.seconds))
+        log.info("regenerate-data: %s %s %s", stage, refs[stage].key, "reused" if reused else "rebuilt")
+    report = summary(config, outcomes)
+    if in_prefect_run():
+        create_markdown_artifact(key=ARTIFACT_KEY, markdown=report, description="regenerate-data outcome")
+    return refs

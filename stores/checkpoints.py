@@ -1,0 +1,136 @@
+"""Training checkpoints without pickle: tensors in safetensors, everything else in JSON.
+
+A checkpoint folder `checkpoints/step-NNNNNNNN/` holds:
+
+    adapter/                  PEFT adapter (adapter_config.json + adapter_model.safetensors)
+    extras.safetensors        mask embedding and other trained non-LoRA tensors
+    optimizer.safetensors     every optimizer state tensor, keyed "<param index>.<name>"
+    rng.safetensors           torch CPU (and CUDA) RNG states
+    state.json                step, data cursor, optimizer param groups, scheduler state, file hashes
+
+state.json is written last; a checkpoint without it, or whose files do not match its hashes, is
+ignored on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stores.artifacts import hash_local_tree
+
+STATE = "state.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _restore_optimizer(
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch_cuda_{i}"] = s
+    return out
+
+
+def restore_rng(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch_cpu"])
+    cuda = [states[k] for k in sorted(states) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save(
+    out: Path,
+    model: Any,
+    extras: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    step: int,
+    cursor: int,
+    info: dict[str, Any],
+) -> None:
+    """Write a complete checkpoint into `out` (a fresh local folder); state.json last."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out / "adapter", safe_serialization=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in extras.items()}, out / "extras.safetensors")
+    tensors, meta = _optimizer_tensors(optimizer)
+    save_file(tensors, out / "optimizer.safetensors")
+    save_file(rng_state(), out / "rng.safetensors")
+    files = hash_local_tree(out)
+    state = {
+        "step": step,
+        "cursor": cursor,
+        "optimizer": meta,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "files": files,
+        **info,
+    }
+    (out / STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
+
+
+def latest(root: Path) -> Path | None:
+    """The newest checkpoint under `root` whose state.json exists and whose files verify."""
+    if not root.is_dir():
+        return None
+    for d in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True):
+        state_file = d / STATE
+        if not state_file.is_file():
+            continue
+        want = json.loads(state_file.read_text())["files"]
+        have = {k: v for k, v in hash_local_tree(d).items() if k != STATE}
+        if have == want:
+            return d
+    return None
+
+
+def load(
+    ckpt: Path, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Restore optimizer, scheduler and RNG from `ckpt`; returns (state.json, extras tensors)."""
+    state = json.loads((ckpt / STATE).read_text())
+    _restore_optimizer(optimizer, load_file(ckpt / "optimizer.safetensors"), state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    restore_rng(load_file(ckpt / "rng.safetensors"))
+    return state, load_file(ckpt / "extras.safetensors")
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints."""
+    done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE).is_file())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
