@@ -240,9 +240,7 @@ def train(job: TrainJob) -> dict[str, Any]:
                 else []
             )
             captured: dict[int, torch.Tensor] = {}
-            with capture_layers(
-                student.model.get_base_model(), chosen, lambda i, h: captured.__setitem__(i, h)
-            ):
+            with capture_layers(student.model.get_base_model(), chosen, captured.__setitem__):
                 loss, info = diffusion_ce(student, batch, batch["loss"], spec, accelerator.device)
             align = torch.zeros((), device=accelerator.device)
             if chosen:

@@ -3,9 +3,18 @@ the `gpu` slot, and `a2d serve` end to end against a real Prefect server in a su
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -159,15 +168,18 @@ def test_gpu_slot_is_held_while_the_block_runs():
     assert not limit_exists(name)
 
     @task
-    def active_inside() -> int:
-        with gpu_slot(name=name), get_client(sync_client=True) as client:
-            return client.read_global_concurrency_limit_by_name(name).active_slots
+    def active_inside() -> int | None:
+        with gpu_slot(name=name):
+            if not limit_exists(name):
+                return None
+            with get_client(sync_client=True) as client:
+                return client.read_global_concurrency_limit_by_name(name).active_slots
 
     @flow
-    def probe() -> int:
+    def probe() -> int | None:
         return active_inside()
 
-    assert probe() == 0  # no limit on this server: the slot is a no-op
+    assert probe() is None  # no limit on this server: the slot is a no-op
     assert ensure_limit(name, slots=1) and not ensure_limit(name, slots=3)
     try:
         assert probe() == 1
@@ -177,3 +189,170 @@ def test_gpu_slot_is_held_while_the_block_runs():
     finally:
         with get_client(sync_client=True) as client:
             client.delete_global_concurrency_limit_by_name(name)
+
+
+# -- end to end: a real server, `a2d serve`, runs through the API -------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(home: Path, **settings: str) -> dict[str, str]:
+    """This environment without the session harness's PREFECT_* settings, plus `settings`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **settings}
+    return env
+
+
+@contextmanager
+def _process(cmd: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """A child in its own process group, stopped (the whole group, by its id) on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield proc
+        finally:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_until(
+    ready: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen, log: Path
+) -> None:
+    """Poll `ready` (a child starting up has no event to wait on) until it holds or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:]
+            pytest.fail(f"{what} not ready after {timeout:.0f} s (exit {proc.poll()}):\n{tail}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[str]:
+    """`prefect server start` on a free port with its own home and SQLite file; yields the API URL."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    db = f"sqlite+aiosqlite:///{home / 'prefect.db'}"
+    env = _child_env(home, PREFECT_API_DATABASE_CONNECTION_URL=db)
+    cmd = [
+        str(Path(sys.executable).parent / "prefect"),
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    log = home / "server.log"
+    with _process(cmd, env, log) as proc:
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        _wait_until(healthy, 120, "prefect server", proc, log)
+        yield url
+
+
+def _shards(folder: Path) -> dict[str, tuple[int, str]]:
+    return {
+        p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(folder.glob("part-*.parquet"))
+    }
+
+
+def _tables(client, key: str) -> list[dict]:
+    """Rows of every table artifact with `key`, oldest first."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    found = client.read_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+    )
+    assert all(a.type == "table" for a in found)
+    return [(json.loads(a.data) if isinstance(a.data, str) else a.data)[0] for a in reversed(found)]
+
+
+@pytest.mark.slow
+def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server, tmp_path):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    store = tmp_path / "store"
+    config = tiny_config(str(store), "name=e2e", "prompts.bundled_rows=8", "prompts.rows_per_shard=3")
+    config_file = tmp_path / "e2e.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    params = {"config": config.model_dump(mode="json"), "until": "anchors"}
+    prompts_key = planned_refs(config)["prompts"].key
+    env = _child_env(
+        tmp_path / "serve-home", PREFECT_API_URL=prefect_server, PREFECT_RUNNER_POLL_FREQUENCY="1"
+    )
+    log = tmp_path / "serve.log"
+
+    with (
+        _process(
+            [sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file)], env, log
+        ) as serve,
+        temporary_settings(updates={PREFECT_API_URL: prefect_server}),
+        get_client(sync_client=True) as client,
+    ):
+
+        def registered() -> bool:
+            try:
+                return client.read_deployment_by_name("pipeline/e2e") is not None
+            except ObjectNotFound:
+                return False
+
+        _wait_until(registered, 180, "a2d serve", serve, log)
+        assert client.read_global_concurrency_limit_by_name("gpu").limit == 1
+
+        def run() -> None:
+            flow_run = run_deployment("pipeline/e2e", parameters=params, timeout=300, poll_interval=1)
+            assert flow_run.state.is_completed(), (
+                f"{flow_run.state}\n{log.read_text(errors='replace')[-3000:]}"
+            )
+
+        # First run builds teacher and prompts; the stage tables reach the server under stable keys.
+        run()
+        (prompts,) = _tables(client, "a2d-prompts")
+        (teacher,) = _tables(client, "a2d-teacher")
+        assert prompts["key"] == prompts_key and prompts["rows"] > 0 and prompts["shards"] == 3
+        assert not prompts["reused"] and not teacher["reused"]
+
+        # Lose one shard's marker and the manifest: a new run through the API rebuilds only that shard.
+        folder = store / "prompts" / prompts_key
+        before = _shards(folder)
+        (folder / "_markers" / "part-00001.json").unlink()
+        (folder / "manifest.json").unlink()
+        run()
+        after = _shards(folder)
+        assert after.keys() == before.keys() == {f"part-0000{i}.parquet" for i in range(3)}
+        assert after["part-00001.parquet"][0] != before["part-00001.parquet"][0]
+        for name in ("part-00000.parquet", "part-00002.parquet"):
+            assert after[name] == before[name], f"{name} was rewritten"
+        assert (folder / "manifest.json").is_file() and (folder / "_markers" / "part-00001.json").is_file()
+        assert [r["reused"] for r in _tables(client, "a2d-prompts")] == [False, False]
+        assert [r["reused"] for r in _tables(client, "a2d-teacher")] == [False, True]
+
+        # A bad value is refused by the server before any run exists.
+        deployment = client.read_deployment_by_name("pipeline/e2e")
+        only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        runs_before = len(client.read_flow_runs(deployment_filter=only_this))
+        bad = {**params, "config": {**params["config"], "run": {**params["config"]["run"], "batch_size": -1}}}
+        with pytest.raises(Exception, match="batch_size"):
+            client.create_flow_run_from_deployment(deployment.id, parameters=bad)
+        assert len(client.read_flow_runs(deployment_filter=only_this)) == runs_before == 2

@@ -1,0 +1,262 @@
+"""head: attention modes proven on both architectures, losses fall, exact resume, provenance, decoding."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.config import TrainOptions
+from flows.pipeline import pipeline
+from models.sampler import threshold_decode
+from models.student import BidirectionalScan, build_student, lm_head, student_hidden
+from models.teacher import build_random_teacher
+from stores.anchors import AnchorMismatchError
+from stores.artifacts import ArtifactStore
+from tasks.head import key_for, workdir
+from tasks.train_head import TrainJob, train
+from tests.conftest import ROOT, tiny_config
+
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "rslora": False}
+
+
+def _logits(student, ids, attention, block):
+    h = student_hidden(student, ids, torch.ones_like(ids), attention, block)
+    return lm_head(student)(h[0])  # (T, V)
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head-teachers")
+    build_random_teacher(
+        "qwen3_5", 4, 64, 0, root / "qwen3_5", "float32"
+    )  # 3 Gated DeltaNet + 1 full attention
+    build_random_teacher("llama", 2, 64, 0, root / "llama", "float32")
+    return root
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+@pytest.mark.parametrize(
+    "attention,linear",
+    [("bidirectional", "causal"), ("bidirectional", "bidirectional"), ("block", "bidirectional")],
+)
+def test_later_tokens_reach_earlier_logits_exactly_when_the_mode_says(teachers, arch, attention, linear):
+    torch.manual_seed(0)
+    student = build_student(teachers / arch, "none", "float32", "cpu", LORA, attention, linear, block_size=4)
+    for layer in student.model.get_base_model().model.layers:  # open the reverse scans so they matter
+        if isinstance(getattr(layer, "linear_attn", None), BidirectionalScan):
+            layer.linear_attn.gate.data.fill_(0.5)
+    ids = torch.randint(0, 250, (1, 12))
+    changed = ids.clone()
+    changed[0, 10] = (ids[0, 10] + 1) % 250  # a token in block 2 (positions 8..11)
+    a, b = _logits(student, ids, attention, 4), _logits(student, changed, attention, 4)
+    diff = (a - b).abs().amax(-1)  # (T,)
+    if attention == "bidirectional":
+        assert diff[2] > 1e-6  # a later token changes an earlier position
+    else:
+        assert torch.all(diff[:8] == 0)  # earlier blocks never see a later block
+        assert diff[9] > 1e-6  # inside its own block, it does
+    assert diff[10] > 0
+
+
+def test_reverse_scan_is_what_makes_linear_attention_bidirectional(teachers):
+    student = build_student(
+        teachers / "qwen3_5", "none", "float32", "cpu", LORA, "bidirectional", "bidirectional", 4
+    )
+    scan = student.model.get_base_model().model.layers[0].linear_attn
+    assert isinstance(scan, BidirectionalScan) and float(scan.gate) == 0.0  # untrained student == teacher
+    x = torch.randn(1, 12, 64)
+    y = x.clone()
+    y[0, 10] += 1.0
+    closed = (scan(x) - scan(y)).abs().amax(-1)[0]
+    assert torch.all(closed[:10] == 0)  # gate 0: the causal teacher scan
+    scan.gate.data.fill_(0.5)
+    opened = (scan(x) - scan(y)).abs().amax(-1)[0]
+    assert opened[3] > 1e-6
+
+
+def test_lora_covers_every_projection_of_the_hybrid(teachers):
+    student = build_student(
+        teachers / "qwen3_5", "nf4", "float32", "cpu", LORA, "bidirectional", "bidirectional", 4
+    )
+    assert student.info.target_names == sorted(
+        [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "in_proj_qkv",
+            "in_proj_z",
+            "in_proj_a",
+            "in_proj_b",
+            "out_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    assert student.info.lora_modules == 3 * 8 + 1 * 7
+    assert any(type(m).__name__ == "Linear4bit" for m in student.model.modules())
+    assert student.info.mask_id == 259  # an unused embedding row of the padded vocabulary
+
+
+SMALL = [
+    "teacher.architecture=llama",
+    "teacher.layers=2",
+    "prompts.bundled_rows=24",
+    "prompts.rows_per_shard=12",
+    "prompts.eval_fraction=0.1",
+    "responses.max_new_tokens=16",
+    "head.steps=6",
+    "head.micro_batch_size=4",
+    "head.lr=0.003",
+    "head.warmup_steps=0",
+    "head.lr_schedule=constant",
+    "head.align_layers=2",
+    "train.checkpoint_every=3",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("head-data"))
+    cfg = tiny_config(store, *SMALL)
+    return store, cfg, pipeline(cfg, until="trajectories")
+
+
+def _job(store, cfg, refs, spec=None, stop_after=None, workdir_=None):
+    spec = spec or cfg.head
+    st = ArtifactStore(store)
+    ref = st.ref("head", key_for(spec, refs["teacher"].key, refs["anchors"].key, refs["trajectories"].key))
+    return TrainJob(
+        store=store,
+        head=ref,
+        teacher=refs["teacher"],
+        teacher_spec=cfg.teacher,
+        responses=refs["responses"],
+        anchors=refs["anchors"],
+        trajectories=refs["trajectories"],
+        spec=spec,
+        train=cfg.train,
+        workdir=str(workdir_ or workdir(st, ref)),
+        stop_after=stop_after,
+    )
+
+
+def test_loss_and_alignment_fall(data, tmp_path):
+    store, cfg, refs = data
+    spec = cfg.head.model_copy(
+        update={"steps": 24, "complementary": False, "align_weight": 1.0, "mask_schedule": "uniform"}
+    )
+    train_opts = TrainOptions(checkpoint_every=100, log_every=100)
+    job = _job(store, cfg, refs, spec, workdir_=tmp_path / "w").model_copy(update={"train": train_opts})
+    hist = train(job)["history"]
+    first = sum(h["ce"] for h in hist[:6]) / 6
+    last = sum(h["ce"] for h in hist[-6:]) / 6
+    assert last < first - 0.05, (first, last)
+    assert sum(h["align"] for h in hist[-6:]) < sum(h["align"] for h in hist[:6])
+
+
+def test_foreign_anchors_are_refused(data, tmp_path):
+    store, cfg, refs = data
+    from flows.teacher import teacher_flow
+
+    other = teacher_flow(cfg.teacher.model_copy(update={"seed": 1}), store)  # another teacher, same store
+    job = _job(store, cfg, refs, workdir_=tmp_path / "w").model_copy(update={"teacher": other})
+    with pytest.raises(
+        AnchorMismatchError, match=f"teacher_key='{refs['teacher'].key}'.*teacher_key='{other.key}'"
+    ):
+        train(job)
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from stores import checkpoints
+    original = checkpoints.prune
+    def prune(root, keep):
+        original(root, keep)
+        if checkpoints.latest(root).name == "step-00000003":
+            os.kill(os.getpid(), signal.SIGKILL)
+    checkpoints.prune = prune
+    from tasks.train_head import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
+    store, cfg, refs = data
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    killed = _job(store, cfg, refs, workdir_=tmp_path / "killed")
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "job.json").write_text(killed.model_dump_json())
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, str(tmp_path / "killed" / "job.json")], env=env, cwd=ROOT, timeout=600
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000003"]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tasks.train_head", str(tmp_path / "killed" / "job.json")],
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0 and '"step": 3' in resumed.stdout and "A2D resume" in resumed.stdout
+    clean = _job(store, cfg, refs, workdir_=tmp_path / "clean")
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "clean" / "job.json").write_text(clean.model_dump_json())
+    subprocess.run(
+        [sys.executable, "-m", "tasks.train_head", str(tmp_path / "clean" / "job.json")],
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+        check=True,
+        capture_output=True,
+    )
+    a = load_file(
+        tmp_path / "killed" / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"
+    )
+    b = load_file(
+        tmp_path / "clean" / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"
+    )
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    ea = load_file(tmp_path / "killed" / "checkpoints" / "step-00000006" / "extras.safetensors")
+    eb = load_file(tmp_path / "clean" / "checkpoints" / "step-00000006" / "extras.safetensors")
+    torch.testing.assert_close(ea["mask_embedding"], eb["mask_embedding"], atol=1e-6, rtol=0)
+
+
+def test_head_stage_publishes_a_loadable_adapter_and_decodes(data):
+    store, cfg, refs = data
+    from peft import PeftModel
+
+    from tasks.head import load_student
+
+    refs = pipeline(cfg, until="head")
+    st = ArtifactStore(store)
+    adapter = st.loc(refs["head"]).local_path() / "adapter"
+    spec = st.manifest(refs["head"])["metrics"]["diffusion_spec"]
+    assert (
+        spec["attention"] == "bidirectional"
+        and spec["logit_alignment"] == "shifted"
+        and spec["lora_modules"] == 14
+    )
+    student, dspec = load_student(st, refs["head"])
+    assert isinstance(student.model, PeftModel)
+    mask = load_file(adapter / "extras.safetensors")["mask_embedding"]
+    torch.testing.assert_close(student.mask.weight.detach(), mask)
+    out = threshold_decode(
+        student, [258, 104, 105, 257, 10], 12, 4, 0.9, [257], dspec["attention"], dspec["logit_alignment"]
+    )
+    assert 1 <= len(out.tokens) <= 12 and 1 <= out.forwards <= len(out.tokens)
+    assert max(out.commit_step) == out.forwards and min(out.commit_step) >= 1
+    assert pipeline(cfg, until="head")["head"] == refs["head"]  # reused
