@@ -77,7 +77,7 @@ def threshold_decode(
                     steps.append(0)
                 steps[steps_idx] = forwards
         block = seq[start : start + n]
-        for j, tok in enumerate(block):
+        for tok in block:
             out.append(tok)
             if tok in eos_ids:
                 done = True
