@@ -207,6 +207,25 @@ class HeadSpec(Spec):
     seed: int = Field(0, ge=0, description="Seed of data order, masks and layer sampling")
 
 
+class VFMSpec(Spec):
+    """The one-step variational flow map distillation; all part of the vfm key."""
+
+    max_len: int = Field(32, ge=1, le=8192, description="Completion positions the noise adapter emits")
+    width: int = Field(128, ge=16, le=8192, description="Noise adapter width")
+    layers: int = Field(2, ge=1, le=48, description="Noise adapter transformer layers")
+    heads: int = Field(4, ge=1, le=64, description="Noise adapter attention heads")
+    tau: float = Field(1.0, gt=0.0, description="CE is divided by 2τ²")
+    beta: float = Field(1e-4, ge=0.0, description="KL weight at the end of its warmup")
+    beta_warmup: float = Field(0.5, ge=0.0, le=1.0, description="Share of steps over which β ramps from 0")
+    refine_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Max share of true tokens committed in refinement training"
+    )
+    steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps")
+    micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per step")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate")
+    seed: int = Field(0, ge=0, description="Seed of data order and noise")
+
+
 class TrainOptions(Spec):
     """How training runs; never part of a key."""
 
@@ -230,7 +249,7 @@ class RunOptions(Spec):
     progress: bool = Field(True, description="Show progress bars")
 
 
-STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head")
+STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm")
 
 
 class PipelineConfig(Spec):
@@ -246,6 +265,7 @@ class PipelineConfig(Spec):
     anchors: AnchorSpec = Field(default_factory=AnchorSpec)
     trajectories: TrajectorySpec = Field(default_factory=TrajectorySpec)
     head: HeadSpec = Field(default_factory=HeadSpec)
+    vfm: VFMSpec = Field(default_factory=VFMSpec)
     train: TrainOptions = Field(default_factory=TrainOptions)
     run: RunOptions = Field(default_factory=RunOptions)
 

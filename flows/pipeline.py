@@ -15,9 +15,10 @@ from flows.prompts import prompts_flow, prompts_ref
 from flows.responses import responses_flow, responses_ref
 from flows.teacher import teacher_flow, teacher_ref
 from flows.trajectories import trajectories_flow, trajectories_ref
+from flows.vfm import vfm_flow, vfm_ref
 from stores.artifacts import ArtifactRef, ArtifactStore
 
-StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head"]
+StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm"]
 Refs = dict[str, ArtifactRef]
 
 
@@ -64,6 +65,10 @@ STEPS: dict[str, Step] = {
             c.run,
         ),
     ),
+    "vfm": Step(
+        lambda st, c, r: vfm_ref(st, c.vfm, r["head"], r["responses"]),
+        lambda c, r: vfm_flow(r["head"], r["responses"], c.vfm, c.train, c.store, c.run),
+    ),
 }
 
 
@@ -84,7 +89,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
-    """teacher → prompts → responses → anchors → trajectories → head: each stage reuses a complete artifact and resumes a partial one."""
+    """teacher → prompts → responses → anchors → trajectories → head → vfm: each stage reuses a complete artifact and resumes a partial one."""
     refs: Refs = {}
     for stage in stages_until(until):
         refs[stage] = STEPS[stage].run(config, refs)

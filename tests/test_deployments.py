@@ -160,6 +160,39 @@ def test_schema_rejects_a_bad_value_naming_the_field():
         validate({"until": "nowhere"}, schema, raise_on_error=True)
 
 
+# -- regenerate-data -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_regenerate_data_reports_rebuilt_then_reused(tmp_path):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from flows.regenerate import ARTIFACT_KEY, DATA_STAGES, regenerate_data
+
+    config = tiny_config(str(tmp_path / "s"), "prompts.bundled_rows=8", "prompts.rows_per_shard=4")
+    first = regenerate_data(config)
+    assert list(first) == ["teacher", *DATA_STAGES]
+    assert {k: r.key for k, r in first.items()} == {k: planned_refs(config)[k].key for k in first}
+    again = regenerate_data(
+        config.model_copy(update={"run": config.run.model_copy(update={"batch_size": 3})})
+    )
+    assert again == first
+    with get_client(sync_client=True) as client:
+        reports = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ARTIFACT_KEY])),
+            sort=ArtifactSort.CREATED_DESC,
+        )
+    newest, oldest = reports[0].data, reports[1].data
+    assert (
+        "- reused: none" in oldest
+        and "- rebuilt: teacher, prompts, responses, anchors, trajectories" in oldest
+    )
+    assert (
+        "- reused: teacher, prompts, responses, anchors, trajectories" in newest
+        and "- rebuilt: none" in newest
+    )
+    assert f"| anchors | `{first['anchors'].key}` | reused |" in newest
+
+
 # -- the gpu slot ------------------------------------------------------------------------------------------
 def test_gpu_slot_is_held_while_the_block_runs():
     name = "gpu-slot-test"
@@ -297,7 +330,8 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
     config_file = tmp_path / "e2e.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     params = {"config": config.model_dump(mode="json"), "until": "anchors"}
-    prompts_key = planned_refs(config)["prompts"].key
+    refs = planned_refs(config)
+    prompts_key = refs["prompts"].key
     env = _child_env(
         tmp_path / "serve-home", PREFECT_API_URL=prefect_server, PREFECT_RUNNER_POLL_FREQUENCY="1"
     )
@@ -326,12 +360,13 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
                 f"{flow_run.state}\n{log.read_text(errors='replace')[-3000:]}"
             )
 
-        # First run builds teacher and prompts; the stage tables reach the server under stable keys.
+        # First run builds every stage up to anchors; each stage table reaches the server under its key.
         run()
         (prompts,) = _tables(client, "a2d-prompts")
-        (teacher,) = _tables(client, "a2d-teacher")
-        assert prompts["key"] == prompts_key and prompts["rows"] > 0 and prompts["shards"] == 3
-        assert not prompts["reused"] and not teacher["reused"]
+        assert prompts["key"] == prompts_key and prompts["rows"] == 8 and prompts["shards"] == 3
+        for stage in ("teacher", "responses", "anchors"):
+            (table,) = _tables(client, f"a2d-{stage}")
+            assert table["key"] == refs[stage].key and not table["reused"]
 
         # Lose one shard's marker and the manifest: a new run through the API rebuilds only that shard.
         folder = store / "prompts" / prompts_key
@@ -346,7 +381,9 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             assert after[name] == before[name], f"{name} was rewritten"
         assert (folder / "manifest.json").is_file() and (folder / "_markers" / "part-00001.json").is_file()
         assert [r["reused"] for r in _tables(client, "a2d-prompts")] == [False, False]
-        assert [r["reused"] for r in _tables(client, "a2d-teacher")] == [False, True]
+        for stage in ("teacher", "responses", "anchors"):  # keyed on inputs, not on prompts' files
+            assert [r["reused"] for r in _tables(client, f"a2d-{stage}")] == [False, True], stage
+        assert client.read_global_concurrency_limit_by_name("gpu").active_slots == 0
 
         # A bad value is refused by the server before any run exists.
         deployment = client.read_deployment_by_name("pipeline/e2e")

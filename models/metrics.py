@@ -1,0 +1,161 @@
+"""Decode-quality metrics for samplers: token agreement with the teacher, repetition, and d3LLM's AUP.
+
+Everything here is plain Python over token lists and small tables, so evaluation code can be tested
+without torch. Accuracies passed to `aup` are percentages (0-100), as in the d3LLM paper; the
+per-sample metrics return shares (0-1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+FAMILY_SEP = ":"
+
+
+def token_agreement(pred: Sequence[int], ref: Sequence[int]) -> float:
+    """Share of reference positions where `pred` holds the same token.
+
+    Positions of `ref` beyond the end of `pred` count as wrong, and extra tokens in `pred` past the
+    end of `ref` are ignored: the reference defines what there was to get right. An empty reference
+    scores 1.0 against an empty prediction and 0.0 against anything else, so that a sampler that
+    emits tokens where the teacher stopped at once is not rewarded.
+    """
+    if not ref:
+        return 1.0 if not pred else 0.0
+    same = sum(1 for p, r in zip(pred, ref, strict=False) if p == r)
+    return same / len(ref)
+
+
+def exact_match(pred: Sequence[int], ref: Sequence[int]) -> bool:
+    """True when `pred` and `ref` are the same token sequence, length included."""
+    return list(pred) == list(ref)
+
+
+def repetition_rate(tokens: Sequence[int]) -> float:
+    """Share of tokens equal to the token before them (denominator len - 1); 0.0 below two tokens.
+
+    Degenerate diffusion decodes loop on one token; this catches the cheapest form of that loop.
+    """
+    if len(tokens) < 2:
+        return 0.0
+    repeats = sum(1 for prev, cur in zip(tokens[:-1], tokens[1:], strict=True) if prev == cur)
+    return repeats / (len(tokens) - 1)
+
+
+def _weight(y: float, y_max: float, alpha: float) -> float:
+    """d3LLM's accuracy weight W(y) = min(exp(-alpha * (1 - y / y_max)), 1)."""
+    return min(math.exp(-alpha * (1.0 - y / y_max)), 1.0)
+
+
+def aup(
+    points: Sequence[tuple[float, float]],
+    y_max: float,
+    alpha: float = 3.0,
+    drop_below: float = 5.0,
+) -> float:
+    """d3LLM's Area Under Parallelism curve over (rho = tokens per forward, y = accuracy %) points.
+
+    Points are sorted by rho (ties: higher accuracy first, so y1 is the best setting at the lowest
+    parallelism); points more than `drop_below` under y1 are dropped, because a speed-up bought with
+    that much accuracy is not counted. The first point contributes the rectangle rho1 * y1; each
+    later segment a trapezoid of accuracy weighted by W(y), which discounts accuracy below `y_max`
+    (the best accuracy of any method on the task). A single AR point (rho = 1) scores y.
+    """
+    if not points:
+        raise ValueError("aup needs at least one (rho, accuracy) point")
+    if not (math.isfinite(y_max) and y_max > 0):
+        raise ValueError(f"y_max must be a positive finite number, got {y_max}")
+    if not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"alpha must be a non-negative finite number, got {alpha}")
+    if not math.isfinite(drop_below) or drop_below < 0:
+        raise ValueError(f"drop_below must be a non-negative finite number, got {drop_below}")
+    for rho, y in points:
+        if not (math.isfinite(rho) and rho > 0):
+            raise ValueError(f"rho (tokens per forward) must be positive and finite, got {rho}")
+        if not (math.isfinite(y) and y >= 0):
+            raise ValueError(f"accuracy must be a non-negative finite percentage, got {y}")
+
+    ordered = sorted(((float(r), float(y)) for r, y in points), key=lambda p: (p[0], -p[1]))
+    y1 = ordered[0][1]
+    kept = [p for p in ordered if p[1] >= y1 - drop_below]
+
+    rho1 = kept[0][0]
+    area = rho1 * y1
+    for (rho_prev, y_prev), (rho_cur, y_cur) in zip(kept[:-1], kept[1:], strict=True):
+        weighted = y_cur * _weight(y_cur, y_max, alpha) + y_prev * _weight(y_prev, y_max, alpha)
+        area += 0.5 * (rho_cur - rho_prev) * weighted
+    return area
+
+
+def family_of(sampler: str) -> str:
+    """The family of a sampler name: the part before the first ':' ("head:conf0.9" -> "head")."""
+    return sampler.split(FAMILY_SEP, 1)[0]
+
+
+def group_families(samplers: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Sampler names grouped by family, in first-seen order, so one family is one AUP curve."""
+    groups: dict[str, list[str]] = {}
+    for name in samplers:
+        groups.setdefault(family_of(name), []).append(name)
+    return groups
+
+
+def family_aup(
+    samplers: Mapping[str, Mapping[str, Any]],
+    metric: str = "token_agreement",
+    y_max: float | None = None,
+    alpha: float = 3.0,
+    drop_below: float = 5.0,
+) -> dict[str, float]:
+    """AUP per family from `summarise_sampler` results, using `metric` (a share) as accuracy in percent.
+
+    `y_max` defaults to the best value of `metric` over all samplers, as d3LLM uses the best
+    accuracy of any method on the task. Samplers whose metric is None are skipped, and families left
+    without points are omitted.
+    """
+    values = {name: s[metric] for name, s in samplers.items() if s.get(metric) is not None}
+    if not values:
+        return {}
+    top = y_max if y_max is not None else 100.0 * max(values.values())
+    if top <= 0:
+        raise ValueError(f"y_max must be positive; best {metric} is {top}")
+    result: dict[str, float] = {}
+    for family, names in group_families(samplers).items():
+        points = [(float(samplers[n]["tpf"]), 100.0 * float(values[n])) for n in names if n in values]
+        if points:
+            result[family] = aup(points, top, alpha=alpha, drop_below=drop_below)
+    return result
+
+
+def _mean(values: Sequence[float]) -> float:
+    """Arithmetic mean of a non-empty sequence."""
+    return sum(values) / len(values)
+
+
+def summarise_sampler(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Aggregate per-sample decode records of one sampler into speed and quality numbers.
+
+    Each record has `tokens`, `teacher_tokens`, `forwards`, `seconds` and `correct` (bool or None
+    when the task has no checkable answer). TPF and tokens/s are ratios of totals, not means of
+    ratios, so long samples weigh by their length as in d3LLM; the quality metrics are means over
+    samples. tokens_per_s is None when no time was recorded.
+    """
+    if not records:
+        raise ValueError("summarise_sampler needs at least one record")
+    total_tokens = sum(len(r["tokens"]) for r in records)
+    total_forwards = sum(int(r["forwards"]) for r in records)
+    total_seconds = sum(float(r["seconds"]) for r in records)
+    if total_forwards <= 0:
+        raise ValueError(f"records report {total_forwards} forwards in total; TPF is undefined")
+    judged = [bool(r["correct"]) for r in records if r.get("correct") is not None]
+    return {
+        "tpf": total_tokens / total_forwards,
+        "tokens_per_s": total_tokens / total_seconds if total_seconds > 0 else None,
+        "token_agreement": _mean([token_agreement(r["tokens"], r["teacher_tokens"]) for r in records]),
+        "exact_match": _mean([float(exact_match(r["tokens"], r["teacher_tokens"])) for r in records]),
+        "answer_accuracy": _mean([float(c) for c in judged]) if judged else None,
+        "repetition_rate": _mean([repetition_rate(r["tokens"]) for r in records]),
+        "samples": len(records),
+    }

@@ -1,0 +1,164 @@
+"""Variational flow map (arXiv 2603.07276): learn the initial noise, map it to data in one step.
+
+A noise adapter q_φ(z | prompt) reads the student's prompt representations and, through learned
+completion-position queries, outputs the mean and log-variance of z in the student's
+input-embedding space for each completion position. The trained diffusion student is the flow map:
+[prompt embeddings ; z] → completion logits in ONE forward. Objective:
+
+    CE(teacher response | one-step logits) / (2 τ²) + β · KL(q_φ(z | prompt) ‖ N(0, I))
+
+with reparameterised z. Generation uses z = mean (or a sample) for K = 1, or K > 1 refinement
+steps that replace z by the embeddings of confidently committed tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models.student import Student, attention_mask, lm_head
+
+
+class NoiseAdapter(nn.Module):
+    """q_φ(z | prompt): a small transformer decoder whose queries are the completion positions."""
+
+    def __init__(self, hidden: int, max_len: int, width: int = 128, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.config = {"hidden": hidden, "max_len": max_len, "width": width, "layers": layers, "heads": heads}
+        self.inp = nn.Linear(hidden, width)
+        self.queries = nn.Parameter(torch.randn(max_len, width) * 0.02)  # (L, d)
+        block = nn.TransformerDecoderLayer(
+            width, heads, dim_feedforward=2 * width, batch_first=True, dropout=0.0
+        )
+        self.decoder = nn.TransformerDecoder(block, layers)
+        self.mu = nn.Linear(width, hidden)
+        self.logvar = nn.Linear(width, hidden)
+        nn.init.zeros_(self.mu.weight)
+        nn.init.zeros_(self.logvar.weight)
+        nn.init.constant_(self.logvar.bias, -6.0)  # start nearly deterministic, as castlehill's VFM ran
+
+    def init_mean(self, mask_embedding: torch.Tensor) -> None:
+        """Start z at the mask embedding: the untrained flow map is the student's all-masked one-step decode."""
+        with torch.no_grad():
+            self.mu.bias.copy_(mask_embedding.float())
+
+    def forward(
+        self, prompt_hidden: torch.Tensor, prompt_pad: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompt_hidden (B, P, H), prompt_pad (B, P) 1 for real tokens -> mu, logvar (B, length, H)."""
+        memory = self.inp(prompt_hidden.float())  # (B, P, d)
+        q = self.queries[:length].unsqueeze(0).expand(prompt_hidden.shape[0], -1, -1)  # (B, L, d)
+        h = self.decoder(q, memory, memory_key_padding_mask=~prompt_pad.bool())
+        return self.mu(h), self.logvar(h).clamp(-12.0, 4.0)
+
+    def save_pretrained(self, path: Path, safe_serialization: bool = True) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
+            path / "noise_adapter.safetensors",
+        )
+        (path / "noise_adapter.json").write_text(json.dumps(self.config, sort_keys=True))
+
+    @classmethod
+    def from_pretrained(cls, path: Path) -> NoiseAdapter:
+        path = Path(path)
+        adapter = cls(**json.loads((path / "noise_adapter.json").read_text()))
+        adapter.load_state_dict(load_file(path / "noise_adapter.safetensors"))
+        return adapter
+
+
+def kl_standard_normal(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """KL(N(mu, σ²) ‖ N(0, I)) summed over the embedding dim, averaged over positions: (B, L, H) -> ()."""
+    return 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(-1).mean()
+
+
+def prompt_states(student: Student, prompt_ids: torch.Tensor, prompt_pad: torch.Tensor) -> torch.Tensor:
+    """The frozen student's final hidden states over the prompt alone (B, P, H), bidirectional."""
+    inner = student.model.get_base_model()
+    decoder = getattr(inner, inner.base_model_prefix)
+    mask = attention_mask(inner, prompt_pad, "bidirectional", 1, torch.float32)
+    with torch.no_grad():
+        return decoder(input_ids=prompt_ids, attention_mask=mask, use_cache=False).last_hidden_state
+
+
+def flow_map_logits(
+    student: Student,
+    prompt_ids: torch.Tensor,
+    prompt_pad: torch.Tensor,
+    z: torch.Tensor,
+    attention: str,
+    block_size: int,
+    shifted: bool,
+) -> torch.Tensor:
+    """One student forward over [prompt embeddings ; z] -> logits (B, L, V) for the completion positions.
+
+    Prompts are left-padded so every completion starts at the same column.
+    """
+    inner = student.model.get_base_model()
+    embed = inner.get_input_embeddings()
+    prompt_emb = embed(prompt_ids)  # (B, P, H); the mask hook leaves real tokens untouched
+    x = torch.cat([prompt_emb, z.to(prompt_emb.dtype)], dim=1)  # (B, P + L, H)
+    pad = torch.cat([prompt_pad, torch.ones(z.shape[:2], dtype=prompt_pad.dtype, device=z.device)], dim=1)
+    mask = attention_mask(inner, pad, attention, block_size, torch.float32)
+    decoder = getattr(inner, inner.base_model_prefix)
+    hidden = decoder(inputs_embeds=x, attention_mask=mask, use_cache=False).last_hidden_state  # (B, P+L, H)
+    p, length = prompt_ids.shape[1], z.shape[1]
+    rows = hidden[:, p - 1 : p - 1 + length] if shifted else hidden[:, p : p + length]
+    return lm_head(student)(rows)  # (B, L, V)
+
+
+@torch.no_grad()
+def vfm_generate(
+    student: Student,
+    adapter: NoiseAdapter,
+    prompt: list[int],
+    length: int,
+    steps: int,
+    eos_ids: list[int],
+    attention: str,
+    block_size: int,
+    shifted: bool,
+    sample: bool = False,
+    seed: int = 0,
+) -> tuple[list[int], int]:
+    """K-step VFM decoding of one prompt; returns (tokens up to and including EOS, forwards)."""
+    device = next(adapter.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    pad = torch.ones_like(ids)
+    mu, logvar = adapter(prompt_states(student, ids, pad), pad, length)
+    z = mu
+    if sample:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        z = mu + (0.5 * logvar).exp() * torch.randn(mu.shape, generator=gen).to(device)
+    embed = student.model.get_base_model().get_input_embeddings()
+    committed = torch.zeros(length, dtype=torch.bool, device=device)
+    tokens = torch.zeros(length, dtype=torch.long, device=device)
+    forwards = 0
+    for k in range(steps):
+        logits = flow_map_logits(student, ids, pad, z, attention, block_size, shifted)[0].float()  # (L, V)
+        logits[:, student.info.mask_id] = float("-inf")
+        forwards += 1
+        conf, pred = torch.softmax(logits, -1).max(-1)
+        open_ = ~committed
+        remaining = int(open_.sum())
+        if remaining == 0:
+            break
+        n = (
+            remaining if k == steps - 1 else max(1, -(-remaining // (steps - k)))
+        )  # ceil share of what is left
+        order = torch.where(open_, conf, torch.full_like(conf, -1.0)).argsort(descending=True)[:n]
+        tokens[order] = pred[order]
+        committed[order] = True
+        z = z.clone()
+        z[0, order] = embed(pred[order]).to(z.dtype)  # committed positions become real tokens
+    out = []
+    for t in tokens.tolist():
+        out.append(t)
+        if t in eos_ids:
+            break
+    return out, forwards

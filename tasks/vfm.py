@@ -1,0 +1,188 @@
+"""vfm stage: train the noise adapter against the frozen diffusion student; resumable like the head."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+from tqdm import tqdm
+
+from flows.config import TrainOptions, VFMSpec
+from models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt_states
+from stores import checkpoints
+from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from stores.keys import artifact_key
+from tasks.head import load_student, workdir
+from tasks.report import Progress
+from tasks.responses import eos_ids, read_responses
+from tasks.stage import logger
+
+STAGE = "vfm"
+FORMAT_VERSION = 1
+SHARD = "noise_adapter"
+
+
+def key_for(spec: VFMSpec, head_key: str, responses_key: str) -> str:
+    return artifact_key(STAGE, FORMAT_VERSION, spec, {"head": head_key, "responses": responses_key})
+
+
+def batch_tensors(rows: list[dict], length: int, eos: int, pad: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts (B, P) and completion targets (B, L): the response, then EOS to length L."""
+    width = max(len(r["prompt_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.full((len(rows), length), eos, dtype=torch.long)
+    for i, r in enumerate(rows):
+        p = r["prompt_ids"]
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+        resp = r["response_ids"][:length]
+        targets[i, : len(resp)] = torch.tensor(resp)
+    return {"ids": ids, "pad": mask, "targets": targets}
+
+
+def train_vfm(
+    store: ArtifactStore,
+    head: ArtifactRef,
+    responses: ArtifactRef,
+    spec: VFMSpec,
+    train: TrainOptions,
+    work: Path,
+    device: str = "cpu",
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train q_φ; checkpoints (adapter, optimizer, scheduler, RNG, step) under `work/checkpoints`."""
+    log = logger()
+    torch.manual_seed(spec.seed)
+    student, dspec = load_student(store, head, device)
+    student.model.requires_grad_(False)
+    eos = eos_ids(student.model.get_base_model(), student.tok)
+    hidden = student.model.get_base_model().get_input_embeddings().weight.shape[1]
+    adapter = NoiseAdapter(hidden, spec.max_len, spec.width, spec.layers, spec.heads).to(device)
+    adapter.init_mean(student.mask.weight.detach())
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=spec.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    rows = sorted(
+        (r for r in read_responses(store, responses).to_pylist() if r["split"] == "train"),
+        key=lambda r: r["sample_id"],
+    )
+    root = work / "checkpoints"
+    step = 0
+    last = checkpoints.latest(root)
+    if last is not None:
+        state, _ = checkpoints.load(last, optimizer, scheduler)
+        from safetensors.torch import load_file
+
+        adapter.load_state_dict(load_file(last / "adapter" / "noise_adapter.safetensors"))
+        step = state["step"]
+        log.info("vfm: resumed from %s", last.name)
+    shifted = dspec["logit_alignment"] == "shifted"
+    history = []
+    progress = Progress(spec.steps, "vfm")
+    bar = tqdm(total=spec.steps, initial=step, desc="vfm", leave=False)
+    while step < spec.steps:
+        rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
+        batch = batch_tensors(
+            [rows[i] for i in rng.choice(len(rows), spec.micro_batch_size)],
+            spec.max_len,
+            eos[0],
+            student.tok.pad_token_id,
+        )
+        ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
+        mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
+        noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
+        z = mu + (0.5 * logvar).exp() * noise  # reparameterised
+        supervised = torch.ones_like(targets, dtype=torch.bool)
+        if spec.refine_fraction > 0:  # commit a random share of true tokens; the loss is on the rest
+            keep = torch.from_numpy(rng.random(targets.shape) < rng.uniform(0, spec.refine_fraction)).to(
+                device
+            )
+            true_emb = student.model.get_base_model().get_input_embeddings()(targets)
+            z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
+            supervised = ~keep
+        logits = flow_map_logits(
+            student, ids, pad, z, dspec["attention"], dspec["block_size"], shifted
+        )  # (B, L, V)
+        ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])
+        kl = kl_standard_normal(mu, logvar)
+        beta = spec.beta * min(1.0, (step + 1) / max(1.0, spec.beta_warmup * spec.steps))
+        loss = ce / (2 * spec.tau**2) + beta * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        history.append(
+            {
+                "step": step,
+                "loss": round(loss.item(), 6),
+                "ce": round(ce.item(), 6),
+                "kl": round(kl.item(), 4),
+            }
+        )
+        bar.update(1)
+        progress.advance(1)
+        if step % train.log_every == 0:
+            log.info("vfm step %d/%d ce %.4f kl %.2f", step, spec.steps, ce.item(), kl.item())
+        if step % train.checkpoint_every == 0 or step == spec.steps or step == stop_after:
+            final = checkpoints.step_dir(root, step)
+            tmp = final.with_suffix(".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            checkpoints.save(tmp, adapter, {}, optimizer, scheduler, step, step * spec.micro_batch_size, {})
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            checkpoints.prune(root, train.keep_checkpoints)
+        if step == stop_after:
+            break
+    bar.close()
+    return {"step": step, "history": history}
+
+
+@task(name="vfm-train", task_run_name="vfm-{ref.key}", tags=["gpu"])
+def vfm_train(
+    store_uri: str,
+    ref: ArtifactRef,
+    spec: VFMSpec,
+    train: TrainOptions,
+    head: ArtifactRef,
+    responses: ArtifactRef,
+    device: str,
+) -> dict:
+    store = ArtifactStore(store_uri)
+    work = workdir(store, ref)
+    dev = (
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
+    result = train_vfm(store, head, responses, spec, train, work, dev)
+    last = checkpoints.latest(work / "checkpoints")
+    with store.shard_output(ref, SHARD) as out:
+        shutil.copytree(last / "adapter", out)
+        (out / "vfm_spec.json").write_text(
+            json.dumps({**spec.model_dump(mode="json"), "head_key": head.key}, indent=2, sort_keys=True)
+        )
+        files = {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
+    hist = result["history"]
+    stats = {
+        "rows": 0,
+        "tokens": 0,
+        "first_ce": hist[0]["ce"] if hist else None,
+        "final_ce": hist[-1]["ce"] if hist else None,
+        "history": hist[-50:],
+    }
+    return store.write_marker(ref, SHARD, files, stats)
+
+
+def summarise(markers: dict[str, dict]) -> dict[str, Any]:
+    m = markers[SHARD]
+    return {"first_ce": m["first_ce"], "final_ce": m["final_ce"]}
+
+
+def load_vfm(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu") -> NoiseAdapter:
+    store.manifest(ref)
+    return NoiseAdapter.from_pretrained(store.loc(ref).local_path() / SHARD).to(device).eval()
