@@ -1,5 +1,6 @@
 """anchors: stored states equal the teacher's own layer outputs; int8; reader checks; kill and resume."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -127,10 +128,15 @@ def test_sigkill_mid_anchors_then_rerun_matches_uninterrupted(tmp_path):
     args = ["run", f"{ROOT}/configs/tiny.yaml", "--until", "anchors", *sum((["--set", s] for s in SMALL), [])]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "ph"), "PYTHONPATH": ROOT}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLER, *args, "--store", killed], env=env, cwd=ROOT, timeout=300
+    # Its own session, so that the temporary Prefect server it starts dies with it (killpg below).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLER, *args, "--store", killed], env=env, cwd=ROOT, start_new_session=True
     )
-    assert proc.returncode == -signal.SIGKILL
+    try:
+        assert proc.wait(timeout=300) == -signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     st = ArtifactStore(killed)
     aref = plan(tiny_config(killed, *SMALL), "anchors")["anchors"]
     assert not st.is_complete(aref)
