@@ -1,10 +1,10 @@
 """`a2d serve`: one Prefect deployment per stage flow, the pipeline and regenerate-data, served locally.
 
 Every deployment's default parameters come from one config, so a run started from the UI without
-edits runs that config. The stage flows are found from `flows.pipeline.STEPS` by convention
-(`flows/<stage>.py:<stage>_flow`), so a stage added there is served without touching this file;
-only whether it needs a GPU is declared here (`GPU_FLOWS`), and a test checks that against the
-`gpu` tags of the stage's tasks.
+edits runs that config. The stage flows are found from `flows.pipeline.STEPS` (the flow named
+after each stage), so a stage added there is served without touching this file; only whether it
+needs a GPU is declared here (`GPU_FLOWS`), and a test checks that against the `gpu` tags of the
+stage's tasks.
 
     prefect server start --host 127.0.0.1 &
     export PREFECT_API_URL=http://127.0.0.1:4200/api
@@ -30,7 +30,7 @@ from flows.config import PipelineConfig, load_config
 log = logging.getLogger("a2d.serve")
 
 # Flows whose runs load and run a model: the Kubernetes pool gives these `nvidia.com/gpu: 1`.
-GPU_FLOWS = frozenset({"responses", "anchors", "head", "pipeline", "regenerate-data"})
+GPU_FLOWS = frozenset({"responses", "anchors", "head", "vfm", "eval", "pipeline", "regenerate-data"})
 
 # Flows served besides one per stage: (flow name, module, attribute).
 EXTRA_FLOWS = (
@@ -71,10 +71,20 @@ class Served:
 
 
 def registry() -> list[Served]:
-    """Every served flow, stages in pipeline order first: `flows/<stage>.py:<stage>_flow` per stage."""
-    from flows.pipeline import STEPS
+    """Every served flow: one per stage in pipeline order, then the pipeline and regenerate-data.
 
-    stages = [Served(stage, f"flows.{stage}", f"{stage}_flow") for stage in STEPS]
+    A stage's flow is the one named after the stage among the flows `flows/pipeline.py` imports,
+    wherever it lives (`flows/evaluate.py:eval_flow` serves the `eval` stage).
+    """
+    import flows.pipeline
+
+    chained = {obj.name: obj for obj in vars(flows.pipeline).values() if isinstance(obj, Flow)}
+    stages = []
+    for stage in flows.pipeline.STEPS:
+        if stage not in chained:
+            raise LookupError(f"stage {stage!r} has no flow named {stage!r} imported in flows/pipeline.py")
+        fn = chained[stage].fn
+        stages.append(Served(stage, fn.__module__, fn.__name__))
     return stages + [Served(*extra) for extra in EXTRA_FLOWS]
 
 

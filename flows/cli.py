@@ -65,6 +65,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     rows = [store.describe(r) | {"size": _human(store.describe(r)["bytes"])} for r in refs.values()]
     print(_table(rows, ["stage", "key", "complete", "rows", "tokens", "size"]))
     print(f"done in {time.perf_counter() - start:.1f} s; store {store.root.uri}")
+    if "eval" in refs:
+        from tasks.evaluate import print_table
+
+        print("\neval (held-out prompts):")
+        print(print_table(store, refs["eval"]))
     return 0
 
 

@@ -226,6 +226,22 @@ class VFMSpec(Spec):
     seed: int = Field(0, ge=0, description="Seed of data order and noise")
 
 
+class EvalSpec(Spec):
+    """What the eval stage measures on held-out prompts; part of the eval key."""
+
+    max_samples: int = Field(24, ge=1, le=100_000, description="Held-out prompts evaluated (eval split only)")
+    max_new_tokens: int = Field(32, ge=1, le=8192, description="Completion budget for every sampler")
+    block_size: int = Field(8, ge=1, le=8192, description="Block size of the parallel decoders")
+    thresholds: tuple[float, ...] = Field(
+        (0.9, 0.7, 0.5), description="Confidence thresholds of the head sampler"
+    )
+    entropy_thresholds: tuple[float, ...] = Field((0.5, 1.5), description="d3LLM entropy thresholds (nats)")
+    vfm_steps: tuple[int, ...] = Field((1, 2, 4), description="VFM refinement steps K")
+    untrained_baseline: bool = Field(
+        True, description="Also decode with the untrained student (same base, no adapter)"
+    )
+
+
 class TrainOptions(Spec):
     """How training runs; never part of a key."""
 
@@ -249,7 +265,7 @@ class RunOptions(Spec):
     progress: bool = Field(True, description="Show progress bars")
 
 
-STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm")
+STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval")
 
 
 class PipelineConfig(Spec):
@@ -266,6 +282,7 @@ class PipelineConfig(Spec):
     trajectories: TrajectorySpec = Field(default_factory=TrajectorySpec)
     head: HeadSpec = Field(default_factory=HeadSpec)
     vfm: VFMSpec = Field(default_factory=VFMSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
     train: TrainOptions = Field(default_factory=TrainOptions)
     run: RunOptions = Field(default_factory=RunOptions)
 

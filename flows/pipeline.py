@@ -10,6 +10,7 @@ from prefect import flow
 
 from flows.anchors import anchors_flow, anchors_ref
 from flows.config import STAGES, PipelineConfig
+from flows.evaluate import eval_flow, eval_ref
 from flows.head import head_flow, head_ref
 from flows.prompts import prompts_flow, prompts_ref
 from flows.responses import responses_flow, responses_ref
@@ -18,7 +19,7 @@ from flows.trajectories import trajectories_flow, trajectories_ref
 from flows.vfm import vfm_flow, vfm_ref
 from stores.artifacts import ArtifactRef, ArtifactStore
 
-StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm"]
+StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval"]
 Refs = dict[str, ArtifactRef]
 
 
@@ -69,6 +70,10 @@ STEPS: dict[str, Step] = {
         lambda st, c, r: vfm_ref(st, c.vfm, r["head"], r["responses"]),
         lambda c, r: vfm_flow(r["head"], r["responses"], c.vfm, c.train, c.store, c.run),
     ),
+    "eval": Step(
+        lambda st, c, r: eval_ref(st, c.eval, {k: r[k] for k in ("teacher", "responses", "head", "vfm")}),
+        lambda c, r: eval_flow(r["teacher"], r["responses"], r["head"], r["vfm"], c.eval, c.store, c.run),
+    ),
 }
 
 
@@ -89,7 +94,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
-    """teacher → prompts → responses → anchors → trajectories → head → vfm: each stage reuses a complete artifact and resumes a partial one."""
+    """teacher → prompts → responses → anchors → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
     refs: Refs = {}
     for stage in stages_until(until):
         refs[stage] = STEPS[stage].run(config, refs)

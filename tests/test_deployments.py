@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prefect import Flow, flow, task
+from prefect import Flow, Task, flow, task
 from prefect.client.orchestration import get_client
 from prefect.server.schemas.actions import WorkPoolCreate
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -50,12 +51,22 @@ def test_registry_serves_every_stage_then_pipeline_and_regenerate():
         assert isinstance(served.load(), Flow)
 
 
+def _stage_tasks(served: Served) -> list[Task]:
+    """The Prefect tasks a stage flow's module uses: its own and those of the task modules it imports."""
+    module = importlib.import_module(served.module)
+    spaces = [vars(module)] + [vars(m) for m in vars(module).values() if inspect.ismodule(m)]
+    return [obj for space in spaces for obj in space.values() if isinstance(obj, Task)]
+
+
 def test_gpu_flows_follow_the_gpu_task_tags():
     """A stage is a GPU flow exactly when one of its tasks is tagged `gpu` (a new stage must say so)."""
-    for stage in STEPS:
-        module = importlib.import_module(f"tasks.{stage}")
-        tagged = any("gpu" in getattr(obj, "tags", ()) for obj in vars(module).values() if hasattr(obj, "fn"))
-        assert tagged == (stage in GPU_FLOWS), f"stage {stage}: gpu tag {tagged}, in GPU_FLOWS {not tagged}"
+    for served in registry()[: len(STEPS)]:
+        tasks = _stage_tasks(served)
+        assert tasks, f"stage {served.name}: no tasks found in {served.module}"
+        tagged = any("gpu" in t.tags for t in tasks)
+        assert tagged == served.gpu, (
+            f"stage {served.name}: gpu-tagged task {tagged}, in GPU_FLOWS {served.gpu}"
+        )
     assert {"pipeline", "regenerate-data"} <= GPU_FLOWS
 
 
@@ -168,7 +179,9 @@ def test_regenerate_data_reports_rebuilt_then_reused(tmp_path):
 
     from flows.regenerate import ARTIFACT_KEY, DATA_STAGES, regenerate_data
 
-    config = tiny_config(str(tmp_path / "s"), "prompts.bundled_rows=8", "prompts.rows_per_shard=4")
+    config = tiny_config(
+        str(tmp_path / "s"), "teacher.layers=4", "prompts.bundled_rows=4", "responses.max_new_tokens=8"
+    )
     first = regenerate_data(config)
     assert list(first) == ["teacher", *DATA_STAGES]
     assert {k: r.key for k, r in first.items()} == {k: planned_refs(config)[k].key for k in first}
@@ -326,7 +339,9 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
     from prefect.exceptions import ObjectNotFound
 
     store = tmp_path / "store"
-    config = tiny_config(str(store), "name=e2e", "prompts.bundled_rows=8", "prompts.rows_per_shard=3")
+    config = tiny_config(
+        str(store), "name=e2e", "teacher.layers=8", "prompts.bundled_rows=8", "prompts.rows_per_shard=3"
+    )
     config_file = tmp_path / "e2e.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     params = {"config": config.model_dump(mode="json"), "until": "anchors"}
