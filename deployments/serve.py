@@ -9,7 +9,11 @@ stage's tasks.
     prefect server start --host 127.0.0.1 &
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     a2d serve --config configs/tiny.yaml
-    prefect deployment run 'pipeline/tiny' --params '{"until": "prompts"}'
+    prefect deployment run 'pipeline/tiny' --params '{"until": "prompts"}' --watch
+
+Run parameters replace a deployment's defaults per top-level name: `{"until": "prompts"}` keeps
+the served config, while passing `config` replaces all of it (omitted fields take the flow's
+defaults, not the served config's).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
-from deployments.concurrency import GPU_LIMIT, ensure_limit
 from flows.config import PipelineConfig, load_config
+from tasks.concurrency import GPU_LIMIT, ensure_limit
 
 log = logging.getLogger("a2d.serve")
 
@@ -139,9 +143,7 @@ def absolute_store(config: PipelineConfig) -> PipelineConfig:
     """A local relative store is resolved now, so runs write where `a2d serve` was started."""
     from stores.uri import normalise_uri
 
-    uri = normalise_uri(config.store)
-    store = uri.removeprefix("file://") if uri.startswith("file://") else uri
-    return config.model_copy(update={"store": store})
+    return config.model_copy(update={"store": normalise_uri(config.store).removeprefix("file://")})
 
 
 def build_deployments(config: PipelineConfig, cron: str | None = None) -> list[RunnerDeployment]:
@@ -158,7 +160,7 @@ def build_deployments(config: PipelineConfig, cron: str | None = None) -> list[R
                 parameters=default_parameters(flow, served.name, config),
                 cron=cron if served.name == "regenerate-data" else None,
                 tags=["a2d", "gpu" if served.gpu else "cpu"],
-                description=f"{inspect.getdoc(flow.fn) or flow.name}\n\nDefaults: config {config.name!r}, store {config.store}.",
+                description=f"{flow.description or flow.name}\n\nDefaults: config {config.name!r}, store {config.store}",
                 enforce_parameter_schema=True,
                 entrypoint_type=EntrypointType.MODULE_PATH,
             )

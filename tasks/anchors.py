@@ -19,6 +19,7 @@ from stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
 from stores.keys import artifact_key, sha256_tree
 from stores.parquet import read_shard
 from tasks import teacher as teacher_stage
+from tasks.concurrency import gpu_slot
 from tasks.report import Progress
 
 STAGE = "anchors"
@@ -143,26 +144,27 @@ def anchors_shard(
     store = ArtifactStore(store_uri)
     timer = Timer()
     rows = read_shard(store.loc(responses), f"{shard}.parquet").to_pylist()
-    model, tok = teacher_stage.load(store, teacher, teacher_spec, teacher_spec.load, opts.device)
-    layers = resolve_layers(spec.layers, len(decoder_layers(model)))
-    tracker = Progress(len(rows), f"anchors {shard}", every=opts.batch_size)
-    bar = tqdm(total=len(rows), desc=f"anchors {shard}", disable=not opts.progress, leave=False)
+    with gpu_slot():  # held from model load to the end of the captures
+        model, tok = teacher_stage.load(store, teacher, teacher_spec, teacher_spec.load, opts.device)
+        layers = resolve_layers(spec.layers, len(decoder_layers(model)))
+        tracker = Progress(len(rows), f"anchors {shard}", every=opts.batch_size)
+        bar = tqdm(total=len(rows), desc=f"anchors {shard}", disable=not opts.progress, leave=False)
 
-    def advance(n: int) -> None:
-        bar.update(n)
-        tracker.advance(n)
+        def advance(n: int) -> None:
+            bar.update(n)
+            tracker.advance(n)
 
-    cap = capture_shard(
-        model,
-        [r["prompt_ids"] for r in rows],
-        [r["response_ids"] for r in rows],
-        layers,
-        spec.tokens,
-        tok.pad_token_id,
-        opts.batch_size,
-        advance,
-    )
-    bar.close()
+        cap = capture_shard(
+            model,
+            [r["prompt_ids"] for r in rows],
+            [r["response_ids"] for r in rows],
+            layers,
+            spec.tokens,
+            tok.pad_token_id,
+            opts.batch_size,
+            advance,
+        )
+        bar.close()
     forward_seconds = timer.seconds
     hidden = cap.bits
     if spec.dtype == "int8":

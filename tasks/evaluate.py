@@ -22,6 +22,7 @@ from stores import bundled
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
 from tasks import teacher as teacher_stage
+from tasks.concurrency import gpu_slot
 from tasks.head import load_student
 from tasks.report import artifact_key as prefect_key
 from tasks.report import in_prefect_run
@@ -163,7 +164,8 @@ def eval_run(
     dev = (
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    doc = evaluate(store, spec, refs, dev)
+    with gpu_slot():
+        doc = evaluate(store, spec, refs, dev)
     meta = {
         "held-out samples": doc["samples"],
         "max new tokens": doc["max_new_tokens"],

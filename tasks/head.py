@@ -16,6 +16,7 @@ from flows.config import HeadSpec, LoadSpec, TeacherSpec, TrainOptions
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
+from tasks.concurrency import gpu_slot
 from tasks.report import Progress, in_prefect_run
 from tasks.stage import logger
 from tasks.train_head import TrainJob
@@ -136,7 +137,8 @@ def head_train(
         device="cpu" if device in ("auto", "cpu") and not _cuda() else device,
         workdir=str(work),
     )
-    result = run_training(job)
+    with gpu_slot():
+        result = run_training(job)
     last = checkpoints.latest(work / "checkpoints")
     if last is None or json.loads((last / checkpoints.STATE).read_text())["step"] != spec.steps:
         raise RuntimeError("training finished without a final checkpoint")

@@ -14,6 +14,7 @@ from stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
 from stores.keys import artifact_key
 from stores.parquet import TOKENS, read_shard, write_shard
 from tasks import teacher as teacher_stage
+from tasks.concurrency import gpu_slot
 from tasks.report import Progress
 
 STAGE = "responses"
@@ -71,43 +72,44 @@ def responses_shard(
     store = ArtifactStore(store_uri)
     timer = Timer()
     rows = read_shard(store.loc(prompts), f"{shard}.parquet").to_pylist()
-    model, tok = teacher_stage.load(store, teacher, teacher_spec, teacher_spec.load, opts.device)
-    out: dict[str, list] = {f.name: [] for f in SCHEMA}
-    forwards = 0
-    if spec.source == "dataset":
-        eos = eos_ids(model, tok)[0]
-        for r in rows:
-            if r["reference_response"] is None:
-                raise ValueError(
-                    f"responses.source=dataset but sample {r['sample_id']} has no reference response; "
-                    "set prompts.response_column or use responses.source=teacher"
+    with gpu_slot():  # the device is held from model load to the last generated token
+        model, tok = teacher_stage.load(store, teacher, teacher_spec, teacher_spec.load, opts.device)
+        out: dict[str, list] = {f.name: [] for f in SCHEMA}
+        forwards = 0
+        if spec.source == "dataset":
+            eos = eos_ids(model, tok)[0]
+            for r in rows:
+                if r["reference_response"] is None:
+                    raise ValueError(
+                        f"responses.source=dataset but sample {r['sample_id']} has no reference response; "
+                        "set prompts.response_column or use responses.source=teacher"
+                    )
+            generated = [
+                (tok(r["reference_response"], add_special_tokens=False)["input_ids"] + [eos], "dataset")
+                for r in rows
+            ]
+        else:
+            generated = []
+            progress = Progress(len(rows), f"responses {shard}", every=opts.batch_size)
+            bar = tqdm(total=len(rows), desc=f"responses {shard}", disable=not opts.progress, leave=False)
+            for start in range(0, len(rows), opts.batch_size):
+                batch = rows[start : start + opts.batch_size]
+                g = generate_batch(
+                    model,
+                    [r["prompt_ids"] for r in batch],
+                    spec.max_new_tokens,
+                    eos_ids(model, tok),
+                    tok.pad_token_id,
+                    spec.do_sample,
+                    spec.temperature,
+                    spec.top_p,
+                    seed=spec.seed + start if spec.do_sample else None,
                 )
-        generated = [
-            (tok(r["reference_response"], add_special_tokens=False)["input_ids"] + [eos], "dataset")
-            for r in rows
-        ]
-    else:
-        generated = []
-        progress = Progress(len(rows), f"responses {shard}", every=opts.batch_size)
-        bar = tqdm(total=len(rows), desc=f"responses {shard}", disable=not opts.progress, leave=False)
-        for start in range(0, len(rows), opts.batch_size):
-            batch = rows[start : start + opts.batch_size]
-            g = generate_batch(
-                model,
-                [r["prompt_ids"] for r in batch],
-                spec.max_new_tokens,
-                eos_ids(model, tok),
-                tok.pad_token_id,
-                spec.do_sample,
-                spec.temperature,
-                spec.top_p,
-                seed=spec.seed + start if spec.do_sample else None,
-            )
-            forwards += g.forwards
-            generated.extend(zip(g.response_ids, g.finish_reason, strict=True))
-            bar.update(len(batch))
-            progress.advance(len(batch))
-        bar.close()
+                forwards += g.forwards
+                generated.extend(zip(g.response_ids, g.finish_reason, strict=True))
+                bar.update(len(batch))
+                progress.advance(len(batch))
+            bar.close()
     for r, (ids, reason) in zip(rows, generated, strict=True):
         out["sample_id"].append(r["sample_id"])
         out["split"].append(r["split"])

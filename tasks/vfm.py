@@ -17,6 +17,7 @@ from models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
+from tasks.concurrency import gpu_slot
 from tasks.head import load_student, workdir
 from tasks.report import Progress
 from tasks.responses import eos_ids, read_responses
@@ -159,7 +160,8 @@ def vfm_train(
     dev = (
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    result = train_vfm(store, head, responses, spec, train, work, dev)
+    with gpu_slot():
+        result = train_vfm(store, head, responses, spec, train, work, dev)
     last = checkpoints.latest(work / "checkpoints")
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)

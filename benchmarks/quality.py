@@ -1,0 +1,61 @@
+"""Quality benchmark: the demo's eval artifact as one JSON of per-sampler numbers and AUP per family.
+
+    python benchmarks/quality.py [--config configs/demo.yaml] [--store ./a2d-store]
+
+Reads the eval artifact that `make demo` produced (it runs nothing when that artifact is missing:
+run `make demo` first). Writes benchmarks/results/quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FIELDS = (
+    "tpf",
+    "tokens_per_s",
+    "token_agreement",
+    "exact_match",
+    "answer_accuracy",
+    "repetition_rate",
+    "samples",
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--store", default=None)
+    args = ap.parse_args()
+    from benchmarks.common import write_result
+    from flows.config import load_config
+    from flows.pipeline import plan
+    from stores.artifacts import ArtifactStore
+    from tasks.evaluate import read_metrics
+
+    cfg = load_config(args.config, [f"store={args.store}"] if args.store else [])
+    refs = plan(cfg, "eval")
+    store = ArtifactStore(cfg.store)
+    if not store.is_complete(refs["eval"]):
+        raise SystemExit(
+            f"no complete eval artifact at {refs['eval'].uri}: run `make demo` (or a2d run {args.config}) first"
+        )
+    doc = read_metrics(store, refs["eval"])
+    write_result(
+        "quality",
+        {
+            "config": Path(args.config).name,
+            "eval_key": refs["eval"].key,
+            "samplers": {name: {k: s.get(k) for k in FIELDS} for name, s in doc["samplers"].items()},
+            "aup": doc["aup"],
+            "aup_metric": doc["aup_metric"],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

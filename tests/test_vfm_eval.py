@@ -1,0 +1,87 @@
+"""vfm and eval: exact VFM resume, reuse, K-step generation, and an eval report with every sampler."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.config import TrainOptions
+from flows.pipeline import pipeline
+from models.vfm import NoiseAdapter, kl_standard_normal
+from stores.artifacts import ArtifactStore
+from tasks.vfm import train_vfm
+from tests.conftest import tiny_config
+
+SMALL = [
+    "teacher.architecture=llama",
+    "teacher.layers=2",
+    "prompts.bundled_rows=40",
+    "prompts.rows_per_shard=20",
+    "prompts.eval_fraction=0.2",
+    "responses.max_new_tokens=12",
+    "head.steps=4",
+    "head.micro_batch_size=4",
+    "head.align_layers=2",
+    "vfm.steps=4",
+    "vfm.max_len=12",
+    "eval.max_samples=3",
+    "eval.max_new_tokens=8",
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("vfm-eval"))
+    cfg = tiny_config(store, *SMALL)
+    return store, cfg, pipeline(cfg, until="eval")
+
+
+def test_kl_is_zero_only_at_the_prior():
+    assert float(kl_standard_normal(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))) == 0.0
+    assert float(kl_standard_normal(torch.ones(1, 2, 3), torch.zeros(1, 2, 3))) == pytest.approx(1.5)
+
+
+def test_vfm_resume_is_exact_and_the_artifact_is_reused(built, tmp_path):
+    store, cfg, refs = built
+    st = ArtifactStore(store)
+    opts = TrainOptions(checkpoint_every=2, log_every=100)
+    train_vfm(st, refs["head"], refs["responses"], cfg.vfm, opts, tmp_path / "a", stop_after=2)
+    resumed = train_vfm(st, refs["head"], refs["responses"], cfg.vfm, opts, tmp_path / "a")
+    assert resumed["history"][0]["step"] == 3  # continued from the step-2 checkpoint
+    train_vfm(st, refs["head"], refs["responses"], cfg.vfm, opts, tmp_path / "b")
+    a = load_file(tmp_path / "a" / "checkpoints" / "step-00000004" / "adapter" / "noise_adapter.safetensors")
+    b = load_file(tmp_path / "b" / "checkpoints" / "step-00000004" / "adapter" / "noise_adapter.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    published = NoiseAdapter.from_pretrained(st.loc(refs["vfm"]).local_path() / "noise_adapter")
+    assert published.config["max_len"] == 12
+    assert pipeline(cfg, until="vfm")["vfm"] == refs["vfm"]
+
+
+def test_eval_reports_every_sampler(built):
+    store, cfg, refs = built
+    st = ArtifactStore(store)
+    out = st.loc(refs["eval"]).local_path() / "report"
+    doc = json.loads((out / "metrics.json").read_text())
+    names = set(doc["samplers"])
+    assert names == {  # configs/tiny.yaml: thresholds [0.9, 0.5], entropy [1.0], VFM K in [1, 2]
+        "ar:greedy",
+        "head:conf0.9",
+        "head:conf0.5",
+        "head:k1",
+        "d3llm:ent1",
+        "vfm:k1",
+        "vfm:k2",
+        "untrained:conf0.9",
+    }
+    ar = doc["samplers"]["ar:greedy"]
+    assert ar["tpf"] == 1.0 and ar["token_agreement"] == 1.0  # the teacher agrees with its own greedy output
+    assert (
+        doc["samplers"]["head:k1"]["tpf"] >= 1.0
+        and doc["samplers"]["vfm:k1"]["tpf"] > doc["samplers"]["vfm:k2"]["tpf"]
+    )
+    report = (out / "report.md").read_text()
+    assert all(name in report for name in names)
+    assert (out / "speed_quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert st.verify(refs["eval"]) == []
