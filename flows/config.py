@@ -250,7 +250,9 @@ class TrainOptions(Spec):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward")
     num_processes: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per machine for accelerate")
     num_machines: int = Field(1, ge=1, le=1024, description="Machines for accelerate")
-    distributed: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-process strategy")
+    distributed: Literal["ddp"] = Field(
+        "ddp", description="Multi-process strategy (gradient mean over ranks)"
+    )
     log_every: int = Field(5, ge=1, description="Steps between log lines")
     wandb_project: str | None = Field(None, description="W&B project (mode from WANDB_MODE; off by default)")
 
@@ -259,7 +261,15 @@ class RunOptions(Spec):
     """How to run; never part of a key."""
 
     batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward pass")
-    workers: int = Field(2, ge=1, le=256, description="Shard tasks in flight at once (bounded thread pool)")
+    workers: int = Field(
+        2, ge=1, le=256, description="Shard tasks in flight at once (threads, or local Dask workers)"
+    )
+    runner: Literal["threads", "dask"] = Field(
+        "threads", description="Where shard tasks run: this process, or Dask"
+    )
+    dask_address: str | None = Field(
+        None, description="dask: scheduler address of an existing cluster (default: a local one)"
+    )
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:1, mps")
     verify_reuse: bool = Field(True, description="Re-hash finished shards before reusing them")
     progress: bool = Field(True, description="Show progress bars")

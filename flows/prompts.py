@@ -40,5 +40,7 @@ def prompts_flow(
         ),
         workers=opts.workers,
         verify_reuse=opts.verify_reuse,
+        runner=opts.runner,
+        dask_address=opts.dask_address,
         metrics=stage.summarise,
     )

@@ -53,5 +53,7 @@ def responses_flow(
         ),
         workers=opts.workers,
         verify_reuse=opts.verify_reuse,
+        runner=opts.runner,
+        dask_address=opts.dask_address,
         metrics=stage.summarise,
     )

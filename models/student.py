@@ -176,19 +176,48 @@ def build_student(
     gradient_checkpointing: bool = False,
     adapter_dir=None,
 ) -> Student:
-    """Teacher weights + LoRA on every projection + mask embedding, ready to train (or load an adapter)."""
-    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
-
+    """Load the teacher from `teacher_dir` (NF4 or `dtype`) and make it a student (see `make_student`)."""
     from models.teacher import load_teacher
 
     model, tok = load_teacher(teacher_dir, dtype, quantization, device)
+    return make_student(
+        model,
+        tok,
+        quantization,
+        lora,
+        attention,
+        linear_attention,
+        block_size,
+        gradient_checkpointing,
+        adapter_dir,
+    )
+
+
+def make_student(
+    model: nn.Module,
+    tok,
+    quantization: str,
+    lora: dict,
+    attention: str,
+    linear_attention: str,
+    block_size: int,
+    gradient_checkpointing: bool = False,
+    adapter_dir=None,
+) -> Student:
+    """Teacher weights + LoRA on every projection + mask embedding, ready to train (or load an adapter)."""
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
     mask_id, _ = mask_token_id(tok, model)
     scans = 0
     if linear_attention == "bidirectional" and has_linear_attention(model):
         scans = wrap_linear_attention(model, block_size if attention == "block" else None)
     names, expected = linear_targets(model)
     if quantization == "nf4":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

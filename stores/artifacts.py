@@ -265,6 +265,28 @@ class ArtifactStore:
         self.loc(ref).write_json(MANIFEST, manifest)
         return manifest
 
+    def local_copy(self, ref: ArtifactRef, shard: str, cache_root: Path) -> Path:
+        """A local folder with one finished shard's files: the artifact itself on disk, else a download
+        into `cache_root/<stage>/<key>/<shard>` verified against the shard's marker."""
+        self.manifest(ref)  # refuses partial artifacts with a clear message
+        loc = self.loc(ref)
+        if loc.is_local:
+            return loc.local_path() / shard
+        marker = self.marker(ref, shard)
+        want = {rel.split("/", 1)[1]: h for rel, h in marker["files"].items()}
+        target = cache_root / ref.stage / ref.key / shard
+        if not target.is_dir() or hash_local_tree(target) != want:
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            for rel in want:
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                loc.fs.get(loc._p(f"{shard}/{rel}"), str(target / rel))
+            if hash_local_tree(target) != want:
+                raise RuntimeError(
+                    f"download of {ref.stage}/{ref.key}/{shard} to {target} does not match its checksums"
+                )
+        return target
+
     # -- inspection -----------------------------------------------------------------------------------
     def iter_refs(self, stage: str | None = None) -> Iterator[ArtifactRef]:
         stages = [stage] if stage else [s for s in self.root.listdir() if not s.startswith((".", "_"))]

@@ -58,6 +58,9 @@ def storage_options_from_env(protocol: str) -> dict[str, Any]:
         options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
     if protocol == "file":
         options.setdefault("auto_mkdir", True)
+    if protocol == "s3":
+        # Listings are cached per filesystem instance; another process's write must be seen at once.
+        options.setdefault("use_listings_cache", False)
     return options
 
 

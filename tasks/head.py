@@ -40,7 +40,9 @@ def workdir(store: ArtifactStore, ref: ArtifactRef) -> Path:
     loc = store.loc(ref)
     if loc.is_local:
         return loc.local_path()
-    return Path(os.environ.get("A2D_CACHE", Path.home() / ".cache" / "a2d")) / STAGE / ref.key
+    from tasks.teacher import cache_root
+
+    return cache_root() / "work" / ref.stage / ref.key
 
 
 def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
@@ -56,10 +58,7 @@ def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
         "--num_machines",
         str(train.num_machines),
     ]
-    if train.distributed == "fsdp":
-        cmd.append("--use_fsdp")
-    else:
-        cmd.append("--multi_gpu")
+    cmd.append("--multi_gpu" if _cuda() else "--cpu")  # NCCL on GPUs, gloo on CPU
     return [*cmd, "-m", "tasks.train_head", str(job_path)]
 
 
@@ -199,7 +198,7 @@ def load_student(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu", lo
     dspec = manifest["metrics"]["diffusion_spec"]
     spec = HeadSpec.model_validate(manifest["spec"])
     teacher_ref = store.ref("teacher", manifest["upstream"]["teacher"])
-    adapter = store.loc(ref).local_path() / SHARD
+    adapter = store.local_copy(ref, SHARD, teacher_stage.cache_root())
     student = build_student(
         teacher_stage.local_dir(store, teacher_ref),
         spec.quantization,

@@ -18,6 +18,28 @@ from tasks.report import publish_stage_table
 ShardArgs = Callable[[str], dict[str, Any]]
 
 
+def _run_on_dask(shard_task: Any, kwargs: list[dict[str, Any]], workers: int, address: str | None) -> None:
+    """Run shard tasks on a Dask cluster: an existing one at `address`, or a local one of `workers` processes."""
+    from prefect_dask import DaskTaskRunner
+
+    options: dict[str, Any] = (
+        {"address": address}
+        if address
+        else {
+            "cluster_kwargs": {
+                "n_workers": workers,
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+            }
+        }
+    )
+    with DaskTaskRunner(**options) as runner:
+        futures = [runner.submit(shard_task, parameters=kw) for kw in kwargs]
+        for future in futures:
+            future.result()
+
+
 def logger() -> logging.Logger | logging.LoggerAdapter:
     """Prefect's run logger inside a run, the module logger outside one (plain unit tests)."""
     try:
@@ -36,6 +58,8 @@ def run_sharded(
     shard_kwargs: ShardArgs,
     workers: int,
     verify_reuse: bool = True,
+    runner: str = "threads",
+    dask_address: str | None = None,
     metrics: Callable[[dict[str, dict]], dict[str, Any]] | None = None,
 ) -> ArtifactRef:
     """Build `ref` shard by shard with at most `workers` shard tasks in flight.
@@ -65,6 +89,9 @@ def run_sharded(
         len(shards),
         len(pending),
     )
+    if runner == "dask" and pending:
+        _run_on_dask(shard_task, [shard_kwargs(s) for s in pending], workers, dask_address)
+        pending = []
     # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
     for start in range(0, len(pending), workers):
         wave = pending[start : start + workers]

@@ -66,23 +66,14 @@ def materialise(store_uri: str, ref: ArtifactRef, spec: TeacherSpec) -> dict:
 _LOCAL_LOCK = threading.RLock()
 
 
-def local_dir(store: ArtifactStore, ref: ArtifactRef, cache_root: Path | None = None) -> Path:
+def cache_root() -> Path:
+    return Path(os.environ.get("A2D_CACHE", Path.home() / ".cache" / "a2d"))
+
+
+def local_dir(store: ArtifactStore, ref: ArtifactRef) -> Path:
     """A local directory holding the teacher: the artifact itself on disk, else a verified download."""
-    store.manifest(ref)  # refuses partial artifacts with a clear message
-    loc = store.loc(ref)
-    if loc.is_local:
-        return loc.local_path() / SHARD
-    cache_root = cache_root or Path(os.environ.get("A2D_CACHE", Path.home() / ".cache" / "a2d"))
-    target = cache_root / "teacher" / ref.key
     with _LOCAL_LOCK:
-        marker = store.marker(ref, SHARD)
-        want = {rel.split("/", 1)[1]: h for rel, h in marker["files"].items()}
-        if not target.is_dir() or hash_local_tree(target) != want:
-            target.mkdir(parents=True, exist_ok=True)
-            loc.fs.get(loc._p(SHARD) + "/", str(target) + "/", recursive=True)
-            if hash_local_tree(target) != want:
-                raise RuntimeError(f"teacher download to {target} does not match its checksums; rerun")
-    return target
+        return store.local_copy(ref, SHARD, cache_root())
 
 
 _MODELS: dict[tuple, tuple] = {}

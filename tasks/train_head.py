@@ -203,7 +203,9 @@ def train(job: TrainJob) -> dict[str, Any]:
     params = [p for p in student.model.parameters() if p.requires_grad] + [student.mask.weight]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
-    model, optimizer, scheduler = accelerator.prepare(student.model, optimizer, scheduler)
+    # Nothing goes through accelerator.prepare: the student's forward is called on its inner module
+    # (DDP's hooks would not fire), so gradients are averaged explicitly below, and a prepared
+    # scheduler would step once per process.
     ckpt_root = Path(job.workdir) / "checkpoints"
     step = 0
     last = checkpoints.latest(ckpt_root)
@@ -263,7 +265,12 @@ def train(job: TrainJob) -> dict[str, Any]:
             stats["loss"] += total.item() / spec.grad_accum
             stats["ce"] += info["ce"] / spec.grad_accum
             stats["align"] += float(align.detach()) / spec.grad_accum
-        accelerator.clip_grad_norm_(params, spec.max_grad_norm)
+        if world > 1:  # the mean over ranks, as DDP computes it
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)  # SUM: gloo has no AVG
+                    p.grad.div_(world)
+        torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -279,7 +286,7 @@ def train(job: TrainJob) -> dict[str, Any]:
                 shutil.rmtree(tmp, ignore_errors=True)
                 checkpoints.save(
                     tmp,
-                    accelerator.unwrap_model(model),
+                    student.model,
                     student.extras(),
                     optimizer,
                     scheduler,

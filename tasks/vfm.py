@@ -187,4 +187,6 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
 
 def load_vfm(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu") -> NoiseAdapter:
     store.manifest(ref)
-    return NoiseAdapter.from_pretrained(store.loc(ref).local_path() / SHARD).to(device).eval()
+    from tasks.teacher import cache_root
+
+    return NoiseAdapter.from_pretrained(store.local_copy(ref, SHARD, cache_root())).to(device).eval()

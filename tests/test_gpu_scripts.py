@@ -1,0 +1,41 @@
+"""The GPU benchmark scripts run end to end on a tiny model on the CPU, so they cannot rot."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script,result,fields",
+    [
+        (
+            "anchors_27b.py",
+            "gpu_anchors_tiny.json",
+            {"anchors_vs_bare", "bare_tokens_per_s", "mfu_vs_bf16_peak", "params"},
+        ),
+        (
+            "qlora_step_27b.py",
+            "gpu_qlora_tiny.json",
+            {"peak_memory_gb", "step_seconds", "lora_modules", "seq_len"},
+        ),
+    ],
+)
+def test_gpu_script_runs_tiny(script, result, fields):
+    subprocess.run(
+        [sys.executable, f"benchmarks/gpu/{script}", "--tiny"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    doc = json.loads((__import__("pathlib").Path(ROOT) / "benchmarks" / "results" / result).read_text())
+    assert fields <= set(doc) and doc["shape"] == "tiny"
+    if "lora_modules" in doc:
+        assert (
+            doc["lora_modules"] == doc["nf4_linears"] == 62
+        )  # 6 DeltaNet layers x 8 + 2 attention layers x 7

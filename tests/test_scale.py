@@ -1,0 +1,203 @@
+"""Scale-out on one machine: an S3 store (moto's server on 127.0.0.1), Dask shard fan-out, 2-process training."""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flows.cli import main
+from flows.pipeline import pipeline
+from stores.artifacts import ArtifactStore
+from tests.conftest import ROOT, tiny_config
+
+LLAMA = [
+    "teacher.architecture=llama",
+    "teacher.layers=2",
+    "prompts.bundled_rows=12",
+    "prompts.rows_per_shard=4",
+    "responses.max_new_tokens=8",
+    "anchors.layers=[0, 1]",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's S3-compatible server on 127.0.0.1, stopped by PID at the end."""
+    port = _free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a server start: bounded wait for the port to accept connections
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert time.monotonic() < deadline, "moto server did not start"
+            time.sleep(0.2)
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("a2d-test")
+        yield "s3://a2d-test/run"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.slow
+def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
+    cfg = tiny_config(s3, *LLAMA)
+    refs = pipeline(cfg, until="head")
+    st = ArtifactStore(s3)
+    assert all(st.is_complete(r) for r in refs.values())
+    assert st.verify(refs["anchors"]) == [] and st.verify(refs["head"]) == []
+    capsys.readouterr()
+    assert main(["ls", "--json", "--store", s3]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["stage"] for r in rows if r["complete"]} == {
+        "teacher",
+        "prompts",
+        "responses",
+        "anchors",
+        "trajectories",
+        "head",
+    }
+
+    # A second run rewrites nothing: every object keeps its modification time.
+    fs = st.root.fs
+    before = {p: fs.info(p)["LastModified"] for p in fs.find(st.root.path)}
+    args = [
+        "run",
+        f"{ROOT}/configs/tiny.yaml",
+        "--until",
+        "head",
+        "--store",
+        s3,
+        *sum((["--set", s] for s in LLAMA), []),
+    ]
+    assert main(args) == 0
+    assert capsys.readouterr().out.count("reuse ") == 6
+    assert {p: fs.info(p)["LastModified"] for p in fs.find(st.root.path)} == before
+
+    # Per-shard resume: drop one anchors shard's marker and the manifest; only that shard is rebuilt.
+    loc = st.loc(refs["anchors"])
+    loc.remove("_markers/part-00001.json")
+    loc.remove("manifest.json")
+    assert not st.is_complete(refs["anchors"])
+    assert main(args) == 0
+    after = {p: fs.info(p)["LastModified"] for p in fs.find(loc.path)}
+    rebuilt = {p for p in after if before.get(p) != after[p]}
+    assert rebuilt and all("part-00001" in p or p.endswith(("manifest.json", "_plan.json")) for p in rebuilt)
+
+    # A corrupted object makes verify exit 1 naming it.
+    name = next(p for p in fs.find(loc.path) if "part-00002.zarr/hidden/c" in p)
+    data = bytearray(fs.cat_file(name))
+    data[0] ^= 0xFF
+    fs.pipe_file(name, bytes(data))
+    capsys.readouterr()
+    assert main(["verify", refs["anchors"].key, "--store", s3]) == 1
+    assert "part-00002.zarr/hidden/c" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_dask_fan_out_matches_threads(tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    os.environ["PREFECT_API_URL"] = PREFECT_API_URL.value()  # Dask worker processes report to the harness
+    try:
+        threads = pipeline(tiny_config(str(tmp_path / "threads"), *LLAMA), until="anchors")
+        dask = pipeline(
+            tiny_config(str(tmp_path / "dask"), *LLAMA, "run.runner=dask", "run.workers=2"), until="anchors"
+        )
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+    assert dask == {
+        k: v.model_copy(update={"uri": v.uri.replace("/threads/", "/dask/")}) for k, v in threads.items()
+    }
+    for stage in ("responses", "anchors"):
+        a = ArtifactStore(str(tmp_path / "threads")).manifest(threads[stage])["shards"]
+        b = ArtifactStore(str(tmp_path / "dask")).manifest(dask[stage])["shards"]
+        assert {s: m["sha256"] for s, m in a.items()} == {s: m["sha256"] for s, m in b.items()}
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
+    from tasks.head import launch_command, run_training
+    from tests.test_head import _job
+
+    store = str(tmp_path / "store")
+    cfg = tiny_config(
+        store,
+        *LLAMA,
+        "head.steps=2",
+        "head.micro_batch_size=2",
+        "head.align_layers=1",
+        "train.checkpoint_every=2",
+    )
+    refs = pipeline(cfg, until="trajectories")
+    one = _job(store, cfg, refs, cfg.head.model_copy(update={"grad_accum": 2}), workdir_=tmp_path / "one")
+    two = _job(store, cfg, refs, cfg.head, workdir_=tmp_path / "two").model_copy(
+        update={"train": cfg.train.model_copy(update={"num_processes": 2})}
+    )
+    assert launch_command(tmp_path / "j.json", two.train)[2:4] == [
+        "accelerate.commands.launch",
+        "--num_processes",
+    ]
+    run_training(one)
+    run_training(two)
+    a = load_file(
+        tmp_path / "one" / "checkpoints" / "step-00000002" / "adapter" / "adapter_model.safetensors"
+    )
+    b = load_file(
+        tmp_path / "two" / "checkpoints" / "step-00000002" / "adapter" / "adapter_model.safetensors"
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
+    assert (
+        json.loads((tmp_path / "two" / "checkpoints" / "step-00000002" / "state.json").read_text())["world"]
+        == 2
+    )
+    # the single-process loader reads the 2-process checkpoint
+    from peft import PeftModel
+
+    from models.teacher import load_teacher
+    from tasks.teacher import local_dir
+
+    base, _ = load_teacher(local_dir(ArtifactStore(store), refs["teacher"]))
+    model = PeftModel.from_pretrained(
+        base, str(tmp_path / "two" / "checkpoints" / "step-00000002" / "adapter")
+    )
+    assert sum(1 for _, m in model.named_modules() if hasattr(m, "lora_A")) == 14
