@@ -207,6 +207,9 @@ def make_student(
     """Teacher weights + LoRA on every projection + mask embedding, ready to train (or load an adapter)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
+    from models.teacher import disable_cpu_nf4_packing
+
+    disable_cpu_nf4_packing(model, everywhere=True)
     mask_id, _ = mask_token_id(tok, model)
     scans = 0
     if linear_attention == "bidirectional" and has_linear_attention(model):

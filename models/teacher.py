@@ -206,16 +206,18 @@ def load_teacher(
     return model, tok
 
 
-def disable_cpu_nf4_packing(model: torch.nn.Module) -> int:
-    """Keep bitsandbytes' CPU inference fast path off layers it cannot pack.
+def disable_cpu_nf4_packing(model: torch.nn.Module, everywhere: bool = False) -> int:
+    """Keep bitsandbytes' CPU inference fast path off layers it cannot (or must not) pack.
 
     bitsandbytes 0.50 repacks NF4 weights for an AVX512-bf16 CPU kernel on the first no-grad
-    forward and asserts that out_features is a multiple of 32; small Gated DeltaNet projections
-    (in_proj_a/b: one output per head) are not. Those layers use the generic path instead.
+    forward in eval mode and asserts that out_features is a multiple of 32; small Gated DeltaNet
+    projections (in_proj_a/b: one output per head) are not. A packed weight also gives wrong
+    gradients to the *inputs* of a later forward with grad (the VFM trains z through a frozen NF4
+    student), so students turn packing off `everywhere`.
     """
     n = 0
     for m in model.modules():
-        if type(m).__name__ == "Linear4bit" and m.out_features % 32:
+        if type(m).__name__ == "Linear4bit" and (everywhere or m.out_features % 32):
             m.support_avx512bf16_for_cpu = False
             n += 1
     return n

@@ -40,11 +40,19 @@ class NoiseAdapter(nn.Module):
         nn.init.zeros_(self.mu.weight)
         nn.init.zeros_(self.logvar.weight)
         nn.init.constant_(self.logvar.bias, -6.0)  # start nearly deterministic, as castlehill's VFM ran
+        # z lives in units of the embedding matrix's RMS, so that the N(0, I) prior means "noise as
+        # large as a token embedding" whatever the model's embedding scale.
+        self.register_buffer("scale", torch.ones(()))
 
-    def init_mean(self, mask_embedding: torch.Tensor) -> None:
+    def init_mean(self, mask_embedding: torch.Tensor, embedding_rms: float) -> None:
         """Start z at the mask embedding: the untrained flow map is the student's all-masked one-step decode."""
         with torch.no_grad():
-            self.mu.bias.copy_(mask_embedding.float())
+            self.scale.fill_(embedding_rms)
+            self.mu.bias.copy_(mask_embedding.float() / embedding_rms)
+
+    def embed(self, z: torch.Tensor) -> torch.Tensor:
+        """Normalised z (B, L, H) -> the student's input-embedding space."""
+        return z * self.scale
 
     def forward(
         self, prompt_hidden: torch.Tensor, prompt_pad: torch.Tensor, length: int
@@ -135,6 +143,7 @@ def vfm_generate(
     if sample:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         z = mu + (0.5 * logvar).exp() * torch.randn(mu.shape, generator=gen).to(device)
+    z = adapter.embed(z)
     embed = student.model.get_base_model().get_input_embeddings()
     committed = torch.zeros(length, dtype=torch.bool, device=device)
     tokens = torch.zeros(length, dtype=torch.long, device=device)

@@ -65,7 +65,8 @@ def train_vfm(
     eos = eos_ids(student.model.get_base_model(), student.tok)
     hidden = student.model.get_base_model().get_input_embeddings().weight.shape[1]
     adapter = NoiseAdapter(hidden, spec.max_len, spec.width, spec.layers, spec.heads).to(device)
-    adapter.init_mean(student.mask.weight.detach())
+    embed_weight = student.model.get_base_model().get_input_embeddings().weight
+    adapter.init_mean(student.mask.weight.detach(), float(embed_weight.float().pow(2).mean().sqrt()))
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=spec.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     rows = sorted(
@@ -97,7 +98,7 @@ def train_vfm(
         ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
         mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
         noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
-        z = mu + (0.5 * logvar).exp() * noise  # reparameterised
+        z = adapter.embed(mu + (0.5 * logvar).exp() * noise)  # reparameterised, in embedding units
         supervised = torch.ones_like(targets, dtype=torch.bool)
         if spec.refine_fraction > 0:  # commit a random share of true tokens; the loss is on the rest
             keep = torch.from_numpy(rng.random(targets.shape) < rng.uniform(0, spec.refine_fraction)).to(
