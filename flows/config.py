@@ -144,13 +144,26 @@ class AnchorSpec(Spec):
 class TrajectorySpec(Spec):
     """How pseudo-trajectories are made; part of the trajectories key."""
 
-    source: Literal["teacher-confidence"] = Field(
-        "teacher-confidence", description="Order positions by the teacher's confidence from the anchors stage"
+    source: Literal["teacher-confidence", "diffusion-decode"] = Field(
+        "teacher-confidence",
+        description="Order by the teacher's confidence (anchors stage), or by a trained head's threshold decode",
     )
+    head_key: str | None = Field(
+        None, description="diffusion-decode: key of a head artifact from an earlier run"
+    )
+    threshold: float = Field(0.9, gt=0.0, le=1.0, description="diffusion-decode: commit confidence threshold")
     block_size: int = Field(32, ge=1, le=32_768, description="Semi-AR block; >= response length means global")
     steps_per_block: int = Field(
         8, ge=1, le=32_768, description="Denoising steps per block (d3LLM teachers: = block_size)"
     )
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> TrajectorySpec:
+        if self.source == "diffusion-decode" and not self.head_key:
+            raise ValueError(
+                "trajectories.source=diffusion-decode needs trajectories.head_key (a trained head)"
+            )
+        return self
 
 
 class HeadSpec(Spec):

@@ -84,3 +84,47 @@ def threshold_decode(
                 break
     steps = steps[: len(out)]
     return Decoded(out, forwards, steps)
+
+
+@torch.no_grad()
+def forced_commit_steps(
+    student: Student,
+    prompt: list[int],
+    response: list[int],
+    block_size: int,
+    threshold: float,
+    attention: str,
+    logit_alignment: str,
+) -> tuple[list[int], int]:
+    """The step at which a diffusion model would commit each token of a *given* response.
+
+    Threshold decoding as above, but every committed position receives the response's own token:
+    each forward scores the true token at every masked position of the current block and commits
+    those with probability >= threshold (at least the best one). The result pairs with the response
+    it was computed on, which is what the trajectory curriculum needs. Returns (steps, forwards).
+    """
+    device = next(p for p in student.model.parameters()).device
+    mask_id = student.info.mask_id
+    steps = [0] * len(response)
+    forwards = 0
+    for start in range(0, len(response), block_size):
+        end = min(start + block_size, len(response))
+        seq = list(prompt) + list(response[:start]) + [mask_id] * (end - start)
+        open_ = list(range(start, end))
+        while open_:
+            ids = torch.tensor([seq], device=device)
+            hidden = student_hidden(student, ids, torch.ones_like(ids), attention, block_size)[0]  # (T, H)
+            forwards += 1
+            pos = torch.tensor([len(prompt) + i for i in open_], device=device)
+            src = pos - 1 if logit_alignment == "shifted" else pos
+            probs = torch.softmax(lm_head(student)(hidden[src]).float(), -1)  # (n, V)
+            truth = torch.tensor([response[i] for i in open_], device=device)
+            p_true = probs.gather(-1, truth[:, None]).squeeze(-1)
+            take = [i for i, p in zip(open_, p_true.tolist(), strict=True) if p >= threshold]
+            if not take:
+                take = [open_[int(p_true.argmax())]]
+            for i in take:
+                seq[len(prompt) + i] = response[i]
+                steps[i] = forwards
+            open_ = [i for i in open_ if i not in take]
+    return steps, forwards

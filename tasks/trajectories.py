@@ -9,6 +9,7 @@ import pyarrow as pa
 from prefect import task
 
 from flows.config import TrajectorySpec
+from models.sampler import forced_commit_steps
 from models.trajectory import confidence_trajectory
 from stores.anchors import AnchorReader
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
@@ -67,10 +68,27 @@ def trajectories_shard(
     reader.check(responses_key=responses.key)
     rows = read_shard(store.loc(responses), f"{shard}.parquet").to_pylist()
     out: dict[str, list] = {f.name: [] for f in SCHEMA}
+    student = None
+    if spec.source == "diffusion-decode":
+        from tasks.head import load_student
+
+        student, dspec = load_student(store, store.ref("head", spec.head_key))
     for r in rows:
-        conf = response_confidence(reader, r["sample_id"], len(r["prompt_ids"]), len(r["response_ids"]))
-        block = min(spec.block_size, max(len(conf), 1))
-        steps, _ = confidence_trajectory(conf, block, min(spec.steps_per_block, block))
+        if student is not None:
+            raw, _ = forced_commit_steps(
+                student,
+                r["prompt_ids"],
+                r["response_ids"],
+                spec.block_size,
+                spec.threshold,
+                dspec["attention"],
+                dspec["logit_alignment"],
+            )
+            steps = np.asarray(raw, dtype=np.int16)
+        else:
+            conf = response_confidence(reader, r["sample_id"], len(r["prompt_ids"]), len(r["response_ids"]))
+            block = min(spec.block_size, max(len(conf), 1))
+            steps, _ = confidence_trajectory(conf, block, min(spec.steps_per_block, block))
         out["sample_id"].append(r["sample_id"])
         out["prompt_ids"].append(r["prompt_ids"])
         out["response_ids"].append(r["response_ids"])

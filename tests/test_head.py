@@ -260,3 +260,25 @@ def test_head_stage_publishes_a_loadable_adapter_and_decodes(data):
     assert 1 <= len(out.tokens) <= 12 and 1 <= out.forwards <= len(out.tokens)
     assert max(out.commit_step) == out.forwards and min(out.commit_step) >= 1
     assert pipeline(cfg, until="head")["head"] == refs["head"]  # reused
+
+
+def test_diffusion_decode_trajectories_from_a_trained_head(data):
+    from flows.trajectories import trajectories_flow
+    from tasks.trajectories import read_trajectories
+
+    store, cfg, refs = data
+    refs = pipeline(cfg, until="head")
+    spec = cfg.trajectories.model_copy(
+        update={"source": "diffusion-decode", "head_key": refs["head"].key, "threshold": 0.2}
+    )
+    ref = trajectories_flow(refs["responses"], refs["anchors"], spec, store)
+    assert ref.key != refs["trajectories"].key
+    recs = read_trajectories(ArtifactStore(store), ref)
+    for rec in recs.values():
+        steps = rec["unmask_step"]
+        assert len(steps) == len(rec["response_ids"]) and steps.min() >= 1 and rec["num_steps"] == steps.max()
+        assert rec["source"] == "diffusion-decode"
+        # blocks are decoded left to right: every step of block b precedes every step of block b + 1
+        blocks = [steps[i : i + spec.block_size] for i in range(0, len(steps), spec.block_size)]
+        assert all(a.max() < b.min() for a, b in zip(blocks, blocks[1:], strict=False))
+    assert ArtifactStore(store).manifest(ref)["spec"]["head_key"] == refs["head"].key
