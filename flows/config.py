@@ -210,6 +210,9 @@ class HeadSpec(Spec):
     micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per micro-batch per process")
     grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step per process")
     lr: float = Field(2e-4, gt=0.0, le=1.0, description="Peak learning rate")
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="AdamW, or plain SGD (exact cross-world comparisons)"
+    )
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
     warmup_steps: int = Field(5, ge=0, description="Linear warmup steps")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")

@@ -58,7 +58,9 @@ def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
         "--num_machines",
         str(train.num_machines),
     ]
-    cmd.append("--multi_gpu" if _cuda() else "--cpu")  # NCCL on GPUs, gloo on CPU
+    # --multi_gpu is accelerate's multi-process mode: NCCL on GPUs; without GPUs it runs MULTI_CPU
+    # with gloo (its --cpu flag would start a single process).
+    cmd.append("--multi_gpu")
     return [*cmd, "-m", "tasks.train_head", str(job_path)]
 
 

@@ -201,7 +201,10 @@ def train(job: TrainJob) -> dict[str, Any]:
         spec.seed, spec.steps, spec.r_min_start, spec.r_min_end, spec.r_max, spec.window_sizes
     )
     params = [p for p in student.model.parameters() if p.requires_grad] + [student.mask.weight]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    if spec.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
     # Nothing goes through accelerator.prepare: the student's forward is called on its inner module
     # (DDP's hooks would not fire), so gradients are averaged explicitly below, and a prepared

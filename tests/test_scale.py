@@ -158,9 +158,13 @@ def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
     from tests.test_head import _job
 
     store = str(tmp_path / "store")
+    # SGD, not AdamW: Adam's first steps are ~lr·sign(g), so float noise in near-zero gradients (other
+    # summation orders across processes) flips whole updates; SGD shows the gradients really agree.
     cfg = tiny_config(
         store,
         *LLAMA,
+        "head.optimizer=sgd",
+        "head.lr=0.5",
         "head.steps=2",
         "head.micro_batch_size=2",
         "head.align_layers=1",
@@ -185,7 +189,8 @@ def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
     )
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    assert any(v.abs().max() > 1e-3 for k, v in a.items() if "lora_B" in k)  # training did move the weights
     assert (
         json.loads((tmp_path / "two" / "checkpoints" / "step-00000002" / "state.json").read_text())["world"]
         == 2
