@@ -25,15 +25,15 @@ from tests.conftest import ROOT
         ),
     ],
 )
-def test_gpu_script_runs_tiny(script, result, fields):
+def test_gpu_script_runs_tiny(script, result, fields, tmp_path):
     subprocess.run(
-        [sys.executable, f"benchmarks/gpu/{script}", "--tiny"],
+        [sys.executable, f"benchmarks/gpu/{script}", "--tiny", "--out", str(tmp_path)],
         cwd=ROOT,
         check=True,
         capture_output=True,
         timeout=600,
     )
-    doc = json.loads((__import__("pathlib").Path(ROOT) / "benchmarks" / "results" / result).read_text())
+    doc = json.loads((tmp_path / result).read_text())
     assert fields <= set(doc) and doc["shape"] == "tiny"
     if "lora_modules" in doc:
         assert (

@@ -38,6 +38,7 @@ def main() -> None:
         "--tiny", action="store_true", help="a tiny model on the CPU (keeps the script from rotting)"
     )
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON result")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -92,7 +93,7 @@ def main() -> None:
         "mfu_vs_bf16_peak": round(achieved / H200_BF16_PEAK, 4) if device == "cuda" else None,
         "peak_memory_gb": peak_memory_gb(device),
     }
-    path = ROOT / "benchmarks" / "results" / f"gpu_anchors_{shape}.json"
+    path = Path(args.out) / f"gpu_anchors_{shape}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print("\n".join(f"{k:>22}  {v}" for k, v in result.items()))

@@ -61,6 +61,7 @@ def quantize_nf4(model: torch.nn.Module, device: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON result")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     args = ap.parse_args()
@@ -128,7 +129,7 @@ def main() -> None:
         "loss": round(loss.item(), 4),
         "target_peak_memory_gb": 24,
     }
-    path = ROOT / "benchmarks" / "results" / f"gpu_qlora_{shape}.json"
+    path = Path(args.out) / f"gpu_qlora_{shape}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print("\n".join(f"{k:>22}  {v}" for k, v in result.items()))
