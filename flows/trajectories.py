@@ -32,7 +32,7 @@ def trajectories_flow(
     return run_sharded(
         st,
         ref,
-        spec,
+        stage.key_spec(spec),
         {"responses": responses.key, "anchors": anchors.key},
         shards,
         stage.trajectories_shard,

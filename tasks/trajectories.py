@@ -31,8 +31,17 @@ SCHEMA = pa.schema(
 )
 
 
+def key_spec(spec: TrajectorySpec) -> dict[str, Any]:
+    """The key-determining fields: the decode settings of a source it does not use are left out."""
+    data = spec.model_dump(mode="json")
+    if spec.source == "teacher-confidence":
+        data.pop("head_key")
+        data.pop("threshold")
+    return data
+
+
 def key_for(spec: TrajectorySpec, responses_key: str, anchors_key: str) -> str:
-    return artifact_key(STAGE, FORMAT_VERSION, spec, {"responses": responses_key, "anchors": anchors_key})
+    return artifact_key(STAGE, FORMAT_VERSION, key_spec(spec), {"responses": responses_key, "anchors": anchors_key})
 
 
 def response_confidence(

@@ -35,3 +35,16 @@ def test_load_options_are_not_in_the_teacher_key():
     b = TeacherSpec.model_validate({"load": {"quantization": "nf4"}})
     assert teacher.key_for(a) == teacher.key_for(b)
     assert teacher.key_for(a) != teacher.key_for(TeacherSpec(seed=1))
+
+
+def test_unused_source_settings_stay_out_of_the_trajectories_key():
+    from flows.config import TrajectorySpec
+    from tasks import trajectories
+
+    a = trajectories.key_for(TrajectorySpec(), "r" * 16, "a" * 16)
+    assert trajectories.key_for(TrajectorySpec(threshold=0.5), "r" * 16, "a" * 16) == a
+    assert trajectories.key_for(TrajectorySpec(steps_per_block=4), "r" * 16, "a" * 16) != a
+    decode = TrajectorySpec(source="diffusion-decode", head_key="h" * 16)
+    assert trajectories.key_for(decode, "r" * 16, "a" * 16) != trajectories.key_for(
+        decode.model_copy(update={"threshold": 0.5}), "r" * 16, "a" * 16
+    )
