@@ -40,7 +40,7 @@ def one(model_kind: str, quant: str, align: bool, batch: int, seq_len: int, step
     _, tok = teacher(model_kind)
     path = Path("/tmp/a2d-bench") / model_kind
     torch.manual_seed(0)
-    dtype = "float32"
+    dtype = "bfloat16" if quant == "nf4" else "float32"  # NF4 computes in bf16, like the bf16 baseline
     student = build_student(
         path,
         quant if quant == "nf4" else "none",
