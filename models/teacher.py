@@ -134,7 +134,25 @@ def convert_smollm2(out: Path, dtype: str) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    materialise_tied_head(model)
     save_teacher(model, tok, out)
+
+
+def materialise_tied_head(model: PreTrainedModel) -> None:
+    """Make sure no parameter is left on the meta device before saving.
+
+    SmolLM2's GGUF has no separate output matrix (tied embeddings); once, in a long test session,
+    the loader left `lm_head.weight` on meta and save_pretrained failed. Re-tie it explicitly, and
+    refuse to save anything else that has no data.
+    """
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.is_meta and model.config.get_text_config().tie_word_embeddings:
+        head.weight = model.get_input_embeddings().weight
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"the converted teacher has parameters without data (meta): {meta[:5]}; rerun the teacher stage"
+        )
 
 
 def copy_pretrained(
