@@ -27,7 +27,8 @@ def _rss_peak_kib() -> int:
     return 0
 
 
-def one(model_kind: str, quant: str, align: bool, batch: int, seq_len: int, steps: int) -> dict:
+def one(model_kind: str, quant: str, align: bool | str, batch: int, seq_len: int, steps: int) -> dict:
+    """align: False, True, or "both" (alternate plain and aligned steps in one process, for timing)."""
     """Runs inside the subprocess: build the student, time `steps` training steps, report memory."""
     import torch
 
@@ -60,21 +61,22 @@ def one(model_kind: str, quant: str, align: bool, batch: int, seq_len: int, step
     teacher_h = {i: torch.randn(batch, seq_len, student.mask.weight.shape[0]) for i in layers}
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark: count training only
     base = _rss_peak_kib()
-    times = []
+    times: dict[bool, list[float]] = {False: [], True: []}
     for step in range(steps):
+        aligned = (step % 2 == 1) if align == "both" else bool(align)
         gen = torch.Generator().manual_seed(step)
         loss_mask = torch.rand(seqs.shape, generator=gen) < 0.5
         ids = seqs.masked_fill(loss_mask, student.info.mask_id)
         start = time.perf_counter()
         captured = {}
-        with capture_layers(student.model.get_base_model(), layers if align else [], captured.__setitem__):
+        with capture_layers(student.model.get_base_model(), layers if aligned else [], captured.__setitem__):
             h = student_hidden(student, ids, torch.ones_like(ids), "bidirectional", 32)
         b, t = loss_mask.nonzero(as_tuple=True)
         logits = lm_head(student)(h[b, t])
         loss, _ = masked_diffusion_loss(
             logits, seqs, loss_mask, loss_mask, torch.full((batch,), 0.5), "none", "masked"
         )
-        if align:
+        if aligned:
             loss = loss + 0.25 * alignment_loss(
                 [captured[i].reshape(-1, captured[i].shape[-1]) for i in layers],
                 [teacher_h[i].reshape(-1, teacher_h[i].shape[-1]) for i in layers],
@@ -82,18 +84,24 @@ def one(model_kind: str, quant: str, align: bool, batch: int, seq_len: int, step
         loss.backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - start)
+        if step >= (2 if align == "both" else 1):  # the first step(s) warm up kernels and allocator
+            times[aligned].append(time.perf_counter() - start)
+
+    def median(xs: list[float]) -> float | None:
+        return sorted(xs)[len(xs) // 2] if xs else None
+
     return {
         "peak_train_kib": _rss_peak_kib(),
         "base_kib": base,
-        "step_seconds": sorted(times)[len(times) // 2],
+        "step_seconds": median(times[bool(align) if align != "both" else False]),
+        "step_seconds_aligned": median(times[True]),
     }
 
 
-def run(model_kind: str, quant: str, align: bool, args) -> dict:
+def run(model_kind: str, quant: str, align: bool | str, args: argparse.Namespace) -> dict:
     code = (
         f"import json,sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.head import one; "
-        f"print('RESULT', json.dumps(one({model_kind!r}, {quant!r}, {align}, {args.batch}, {args.seq_len}, {args.steps})))"
+        f"print('RESULT', json.dumps(one({model_kind!r}, {quant!r}, {align!r}, {args.batch}, {args.seq_len}, {args.steps})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -105,14 +113,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps of the memory runs")
+    ap.add_argument(
+        "--timing-steps", type=int, default=10, help="alternating plain/aligned steps of the timing run"
+    )
     args = ap.parse_args()
     from benchmarks.common import teacher, write_result
 
     teacher(args.model)  # convert/build once, outside the measured processes
     nf4 = run(args.model, "nf4", False, args)
     bf16 = run(args.model, "bf16", False, args)
-    nf4_align = run(args.model, "nf4", True, args)
+    timing = run(args.model, "nf4", "both", argparse.Namespace(**{**vars(args), "steps": args.timing_steps}))
     write_result(
         "head",
         {
@@ -121,10 +132,12 @@ def main() -> None:
             "seq_len": args.seq_len,
             "lora_rank": 16,
             "peak_mem_ratio_nf4_vs_bf16": round(nf4["peak_train_kib"] / bf16["peak_train_kib"], 4),
-            "step_time_ratio_align_vs_plain": round(nf4_align["step_seconds"] / nf4["step_seconds"], 4),
+            "step_time_ratio_align_vs_plain": round(
+                timing["step_seconds_aligned"] / timing["step_seconds"], 4
+            ),
             "nf4": nf4,
             "bf16": bf16,
-            "nf4_align": nf4_align,
+            "nf4_alternating_timing": timing,
             "note": "CPU resident-memory high-water mark of the whole process during training steps; on CPU the NF4 "
             "kernels dequantise to the compute dtype, so the ratio is far from the GPU one",
         },
