@@ -27,6 +27,8 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from stores.keys import sha256_file
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,14 +117,6 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def convert_smollm2(out: Path, dtype: str) -> None:
     """Dequantise the packaged GGUF once into an HF directory (safetensors + tokenizer)."""
     gguf = smollm2_gguf_path()
@@ -182,7 +176,7 @@ def local_dir_hash(path: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
         if p.is_file() and not p.name.startswith("."):
-            h.update(f"{p.relative_to(path).as_posix()}\0{file_sha256(p)}\n".encode())
+            h.update(f"{p.relative_to(path).as_posix()}\0{sha256_file(p)}\n".encode())
     return h.hexdigest()
 
 

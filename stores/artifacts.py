@@ -11,7 +11,6 @@ Layout of one artifact:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from stores.keys import canonical, sha256_tree
+from stores.keys import canonical, sha256_file, sha256_stream, sha256_tree
 from stores.uri import Location
 
 MANIFEST = "manifest.json"
@@ -73,26 +72,15 @@ def now_iso() -> str:
 
 
 def hash_file(fs: Any, path: str) -> str:
-    h = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return sha256_stream(f)
 
 
 def hash_local_tree(path: Path) -> dict[str, str]:
     """{relative posix path: sha256} for a file or every file below a folder."""
     if path.is_file():
-        return {"": _hash_local(path)}
-    return {p.relative_to(path).as_posix(): _hash_local(p) for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-def _hash_local(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return {"": sha256_file(path)}
+    return {p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 class ArtifactStore:

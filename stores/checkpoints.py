@@ -102,6 +102,28 @@ def save(
     (out / STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
 
 
+def publish(
+    root: Path,
+    step: int,
+    keep: int,
+    model: Any,
+    extras: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    cursor: int,
+    info: dict[str, Any],
+) -> Path:
+    """Save `step-N` under `root` via a `.tmp` folder renamed into place, then keep the newest `keep`."""
+    final = step_dir(root, step)
+    tmp = final.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp, model, extras, optimizer, scheduler, step, cursor, info)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    prune(root, keep)
+    return final
+
+
 def latest(root: Path) -> Path | None:
     """The newest checkpoint under `root` whose state.json exists and whose files verify."""
     if not root.is_dir():

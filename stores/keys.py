@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel
 
@@ -41,6 +42,19 @@ def artifact_key(stage: str, format_version: int, spec: Any, upstream: Mapping[s
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_stream(f: BinaryIO) -> str:
+    """sha256 of a readable binary stream, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return sha256_stream(f)
 
 
 def sha256_tree(file_hashes: Mapping[str, str]) -> str:

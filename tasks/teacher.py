@@ -13,7 +13,7 @@ from prefect import task
 from flows.config import LoadSpec, TeacherSpec
 from models import teacher as tm
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key
+from stores.keys import artifact_key, sha256_file
 
 STAGE = "teacher"
 FORMAT_VERSION = 1
@@ -32,7 +32,7 @@ def source_identity(spec: TeacherSpec) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_hash(path: str) -> str:
-    return tm.file_sha256(Path(path))
+    return sha256_file(path)
 
 
 def key_for(spec: TeacherSpec) -> str:

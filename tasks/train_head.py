@@ -13,7 +13,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -284,22 +283,17 @@ def train(job: TrainJob) -> dict[str, Any]:
         if step % opts.checkpoint_every == 0 or step == spec.steps or stop["flag"] or step == job.stop_after:
             if rank == 0:
                 cursor = step * spec.grad_accum * world * spec.micro_batch_size
-                final = checkpoints.step_dir(ckpt_root, step)
-                tmp = final.with_suffix(".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                checkpoints.save(
-                    tmp,
+                checkpoints.publish(
+                    ckpt_root,
+                    step,
+                    opts.keep_checkpoints,
                     student.model,
                     student.extras(),
                     optimizer,
                     scheduler,
-                    step,
                     cursor,
                     {"world": world},
                 )
-                shutil.rmtree(final, ignore_errors=True)
-                tmp.rename(final)
-                checkpoints.prune(ckpt_root, opts.keep_checkpoints)
                 emit("checkpoint", step=step)
             accelerator.wait_for_everyone()
             if stop["flag"] or step == job.stop_after:

@@ -41,7 +41,9 @@ def key_spec(spec: TrajectorySpec) -> dict[str, Any]:
 
 
 def key_for(spec: TrajectorySpec, responses_key: str, anchors_key: str) -> str:
-    return artifact_key(STAGE, FORMAT_VERSION, key_spec(spec), {"responses": responses_key, "anchors": anchors_key})
+    return artifact_key(
+        STAGE, FORMAT_VERSION, key_spec(spec), {"responses": responses_key, "anchors": anchors_key}
+    )
 
 
 def response_confidence(

@@ -133,13 +133,17 @@ def train_vfm(
         if step % train.log_every == 0:
             log.info("vfm step %d/%d ce %.4f kl %.2f", step, spec.steps, ce.item(), kl.item())
         if step % train.checkpoint_every == 0 or step == spec.steps or step == stop_after:
-            final = checkpoints.step_dir(root, step)
-            tmp = final.with_suffix(".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            checkpoints.save(tmp, adapter, {}, optimizer, scheduler, step, step * spec.micro_batch_size, {})
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            checkpoints.prune(root, train.keep_checkpoints)
+            checkpoints.publish(
+                root,
+                step,
+                train.keep_checkpoints,
+                adapter,
+                {},
+                optimizer,
+                scheduler,
+                step * spec.micro_batch_size,
+                {},
+            )
         if step == stop_after:
             break
     bar.close()
