@@ -55,7 +55,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(config.store)
     refs = plan(config, until)
-    if all(store.reusable(r, verify=config.run.verify_reuse) for r in refs.values()):
+    # Checksums are re-hashed only when every artifact is complete: otherwise the stages verify
+    # what they reuse themselves, and hashing here first would read every shard twice.
+    complete = all(store.is_complete(r) for r in refs.values())
+    if complete and all(store.reusable(r, verify=config.run.verify_reuse) for r in refs.values()):
         for stage, ref in refs.items():
             print(f"reuse {stage:<12} {ref.key}  (complete at {ref.uri})")
     else:

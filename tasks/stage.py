@@ -73,8 +73,9 @@ def run_sharded(
         log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
         publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
         return ref
-    if store.plan(ref) and not shards:
-        shards = store.plan(ref)["shards"]  # a demoted artifact: same shards as planned
+    plan = store.plan(ref)
+    if plan and not shards:
+        shards = plan["shards"]  # a demoted artifact: same shards as planned
     store.write_plan(ref, spec, upstream, list(shards))
     pending = []
     for shard in shards:
