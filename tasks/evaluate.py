@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from prefect import task
 from tqdm import tqdm
 
@@ -17,6 +16,7 @@ from models.metrics import family_aup, summarise_sampler
 from models.report import markdown_report, plot_speed_quality, text_table
 from models.sampler import threshold_decode
 from models.student import build_student
+from models.teacher import resolve_device
 from models.vfm import vfm_generate
 from stores import bundled
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
@@ -161,9 +161,7 @@ def eval_run(
 ) -> dict:
     """Evaluate, then publish metrics.json, speed_quality.png and report.md as the `report` shard."""
     store = ArtifactStore(store_uri)
-    dev = (
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    dev = str(resolve_device(device))
     with gpu_slot():
         doc = evaluate(store, spec, refs, dev)
     meta = {

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import task
 
 from flows.config import HeadSpec, LoadSpec, TeacherSpec, TrainOptions
+from models.teacher import resolve_device
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
@@ -135,7 +136,7 @@ def head_train(
         trajectories=trajectories,
         spec=spec,
         train=train,
-        device="cpu" if device in ("auto", "cpu") and not _cuda() else device,
+        device=str(resolve_device(device)),
         workdir=str(work),
     )
     with gpu_slot():
@@ -172,12 +173,6 @@ def head_train(
         "history": history[-50:],
     }
     return store.write_marker(ref, SHARD, files, stats)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def summarise(markers: dict[str, dict]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from prefect import task
 from tqdm import tqdm
 
 from flows.config import TrainOptions, VFMSpec
+from models.teacher import resolve_device
 from models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt_states
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
@@ -162,9 +163,7 @@ def vfm_train(
 ) -> dict:
     store = ArtifactStore(store_uri)
     work = workdir(store, ref)
-    dev = (
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    dev = str(resolve_device(device))
     with gpu_slot():
         result = train_vfm(store, head, responses, spec, train, work, dev)
     last = checkpoints.latest(work / "checkpoints")
