@@ -65,6 +65,22 @@ def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
     return [*cmd, "-m", "tasks.train_head", str(job_path)]
 
 
+def parse_event(line: str) -> tuple[str, str, dict[str, Any]] | None:
+    """An `A2D kind {json}` line from the training process, or None for any other line.
+
+    A line that looks like an event but does not parse (a foreign process wrote into the middle of
+    it) is logged as plain output rather than failing a run that is training fine.
+    """
+    if not line.startswith("A2D "):
+        return None
+    kind, _, payload = line[4:].partition(" ")
+    try:
+        fields = json.loads(payload)
+    except json.JSONDecodeError:
+        return None
+    return (kind, payload, fields) if isinstance(fields, dict) else None
+
+
 def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the training process to the end, streaming its lines into the logs; raises on failure."""
     log = logger()
@@ -90,9 +106,9 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
     assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip()
-        if line.startswith("A2D "):
-            kind, payload = line[4:].split(" ", 1)
-            fields = json.loads(payload)
+        event = parse_event(line)
+        if event is not None:
+            kind, payload, fields = event
             if kind == "progress":
                 progress.advance(fields["step"] - progress.done)
             if kind == "wandb" and fields.get("url") and in_prefect_run():

@@ -54,8 +54,15 @@ class TrainJob(BaseModel):
 
 
 def emit(kind: str, **fields: Any) -> None:
-    """A structured line the parent task parses (progress, metrics, W&B link)."""
-    print(f"A2D {kind} {json.dumps(fields, sort_keys=True)}", flush=True)
+    """A structured line the parent task parses (progress, metrics, W&B link); rank 0 only.
+
+    Every rank shares the parent's stdout pipe, so the line goes out in one write: a write under
+    PIPE_BUF bytes is never interleaved with another process's output.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"A2D {kind} {json.dumps(fields, sort_keys=True)}\n".encode())
 
 
 def lr_lambda(spec: HeadSpec):
@@ -221,7 +228,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         step = state["step"]
         emit("resume", step=step, checkpoint=last.name)
     stop = {"flag": False}
-    if rank == 0 and hasattr(signal, "SIGTERM"):
+    if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
     layers = reader.layers
     history = []
@@ -277,6 +284,10 @@ def train(job: TrainJob) -> dict[str, Any]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        if world > 1:  # every rank stops at the same step, or the others would wait forever
+            flag = torch.tensor([float(stop["flag"])], device=accelerator.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop["flag"] = bool(flag.item())
         history.append({"step": step, **{k: round(v, 6) for k, v in stats.items()}})
         if rank == 0 and (step % opts.log_every == 0 or step == spec.steps):
             emit("progress", total=spec.steps, **history[-1], lr=scheduler.get_last_lr()[0])

@@ -79,6 +79,22 @@ def test_reverse_scan_is_what_makes_linear_attention_bidirectional(teachers):
     assert opened[3] > 1e-6
 
 
+def test_training_events_come_from_rank_zero_and_a_garbled_line_is_not_fatal(capfd, monkeypatch):
+    from tasks.head import parse_event
+    from tasks.train_head import emit
+
+    monkeypatch.setenv("RANK", "1")
+    emit("done", step=2)
+    monkeypatch.setenv("RANK", "0")
+    emit("done", step=2)
+    lines = capfd.readouterr().out.splitlines()
+    assert lines == ['A2D done {"step": 2}']
+    assert parse_event(lines[0]) == ("done", '{"step": 2}', {"step": 2})
+    # two processes writing into one pipe: logged as plain output instead of failing the run
+    assert parse_event('A2D done {"step": 2}A2D done {"step": 2}') is None
+    assert parse_event("A2D done") is None and parse_event("loading weights") is None
+
+
 def test_lora_covers_every_projection_of_the_hybrid(teachers):
     student = build_student(
         teachers / "qwen3_5", "nf4", "float32", "cpu", LORA, "bidirectional", "bidirectional", 4
