@@ -267,8 +267,7 @@ class ArtifactStore:
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
             for rel in want:
-                (target / rel).parent.mkdir(parents=True, exist_ok=True)
-                loc.fs.get(loc._p(f"{shard}/{rel}"), str(target / rel))
+                loc.get_file(f"{shard}/{rel}", target / rel)
             if hash_local_tree(target) != want:
                 raise RuntimeError(
                     f"download of {ref.stage}/{ref.key}/{shard} to {target} does not match its checksums"

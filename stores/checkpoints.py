@@ -10,6 +10,10 @@ A checkpoint folder `checkpoints/step-NNNNNNNN/` holds:
 
 state.json is written last; a checkpoint without it, or whose files do not match its hashes, is
 ignored on resume.
+
+Training always writes to local disk. When the artifact store is remote (s3://…), each published
+checkpoint is also mirrored to `<artifact>/checkpoints/` in the store (state.json uploaded last),
+so a retry on another machine or pod resumes from it: `restore` brings the newest one back.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from stores.artifacts import hash_local_tree
+from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from stores.uri import Location
 
 STATE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -112,8 +117,10 @@ def publish(
     scheduler: Any,
     cursor: int,
     info: dict[str, Any],
+    remote: Location | None = None,
 ) -> Path:
-    """Save `step-N` under `root` via a `.tmp` folder renamed into place, then keep the newest `keep`."""
+    """Save `step-N` under `root` via a `.tmp` folder renamed into place, then keep the newest `keep`;
+    with `remote`, mirror it there too and keep the newest `keep` there."""
     final = step_dir(root, step)
     tmp = final.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -121,6 +128,9 @@ def publish(
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     prune(root, keep)
+    if remote is not None:
+        mirror(final, remote)
+        prune_remote(remote, keep)
     return final
 
 
@@ -156,3 +166,65 @@ def prune(root: Path, keep: int) -> None:
     done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE).is_file())
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remote_root(store: ArtifactStore, ref: ArtifactRef) -> Location | None:
+    """Where a training artifact's checkpoints are mirrored: `<artifact>/checkpoints` in a remote
+    store; None on local disk, where training already writes into that folder."""
+    loc = store.loc(ref)
+    return None if loc.is_local else loc.join("checkpoints")
+
+
+def _remote_steps(remote: Location) -> list[str]:
+    """Names of the remote checkpoints whose state.json was uploaded (complete uploads), oldest first."""
+    return [n for n in remote.listdir() if _STEP_DIR.match(n) and remote.exists(f"{n}/{STATE}")]
+
+
+def mirror(ckpt: Path, remote: Location) -> None:
+    """Upload a local checkpoint folder to `remote/<step-N>/`, state.json last.
+
+    A crash mid-upload leaves a folder without state.json, which `restore` ignores; a step uploaded
+    again (a resumed run re-saving it) is replaced file by file before its state.json is rewritten.
+    """
+    target = remote.join(ckpt.name)
+    target.remove(STATE)
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != STATE):
+        rel = path.relative_to(ckpt).as_posix()
+        target.put_file(path, rel)
+    target.write_bytes(STATE, (ckpt / STATE).read_bytes())
+
+
+def prune_remote(remote: Location, keep: int) -> None:
+    for old in _remote_steps(remote)[:-keep]:
+        remote.remove(old)
+
+
+def _step(name: str) -> int:
+    return int(name.split("-", 1)[1])
+
+
+def restore(remote: Location, root: Path) -> Path | None:
+    """Make the newest checkpoint known to either side available locally under `root`.
+
+    Remote checkpoints newer than the local latest are downloaded (newest first) and kept only
+    when every file matches the hashes in their state.json; returns the checkpoint to resume from.
+    """
+    local = latest(root)
+    have = _step(local.name) if local is not None else -1
+    for name in reversed(_remote_steps(remote)):
+        if _step(name) <= have:
+            break
+        src = remote.join(name)
+        tmp = root / f"{name}.download"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for rel in src.files():
+            src.get_file(rel, tmp / rel)
+        want = json.loads((tmp / STATE).read_text())["files"]
+        if {k: v for k, v in hash_local_tree(tmp).items() if k != STATE} != want:
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue  # a corrupted remote checkpoint: fall back to an older one
+        final = step_dir(root, _step(name))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return final
+    return local

@@ -130,6 +130,17 @@ class Location:
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
+    def put_file(self, local: Path, rel: str) -> None:
+        """Upload one local file to `rel` (one PUT on object stores)."""
+        if self.is_local:
+            os.makedirs(posixpath.dirname(self._p(rel)), exist_ok=True)
+        self.fs.put_file(str(local), self._p(rel))
+
+    def get_file(self, rel: str, local: Path) -> None:
+        """Download `rel` to a local file, creating its folder."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self._p(rel), str(local))
+
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under `rel`; empty when it does not exist."""
         p = self._p(rel)

@@ -155,6 +155,11 @@ def head_train(
         device=str(resolve_device(device)),
         workdir=str(work),
     )
+    remote = checkpoints.remote_root(store, ref)
+    if remote is not None:
+        found = checkpoints.restore(remote, work / "checkpoints")
+        if found is not None:
+            logger().info("head %s resumes from checkpoint %s", ref.key, found.name)
     with gpu_slot():
         result = run_training(job)
     last = checkpoints.latest(work / "checkpoints")

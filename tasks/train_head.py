@@ -216,6 +216,7 @@ def train(job: TrainJob) -> dict[str, Any]:
     # (DDP's hooks would not fire), so gradients are averaged explicitly below, and a prepared
     # scheduler would step once per process.
     ckpt_root = Path(job.workdir) / "checkpoints"
+    remote = checkpoints.remote_root(ArtifactStore(job.store), job.head)
     step = 0
     last = checkpoints.latest(ckpt_root)
     if last is not None:
@@ -304,6 +305,7 @@ def train(job: TrainJob) -> dict[str, Any]:
                     scheduler,
                     cursor,
                     {"world": world},
+                    remote=remote,
                 )
                 emit("checkpoint", step=step)
             accelerator.wait_for_everyone()

@@ -18,6 +18,7 @@ from models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
+from stores.uri import Location
 from tasks.concurrency import gpu_slot
 from tasks.head import load_student, workdir
 from tasks.report import Progress
@@ -57,6 +58,7 @@ def train_vfm(
     work: Path,
     device: str = "cpu",
     stop_after: int | None = None,
+    remote: Location | None = None,
 ) -> dict[str, Any]:
     """Train q_φ; checkpoints (adapter, optimizer, scheduler, RNG, step) under `work/checkpoints`."""
     log = logger()
@@ -144,6 +146,7 @@ def train_vfm(
                 scheduler,
                 step * spec.micro_batch_size,
                 {},
+                remote=remote,
             )
         if step == stop_after:
             break
@@ -164,8 +167,13 @@ def vfm_train(
     store = ArtifactStore(store_uri)
     work = workdir(store, ref)
     dev = str(resolve_device(device))
+    remote = checkpoints.remote_root(store, ref)
+    if remote is not None:
+        found = checkpoints.restore(remote, work / "checkpoints")
+        if found is not None:
+            logger().info("vfm %s resumes from checkpoint %s", ref.key, found.name)
     with gpu_slot():
-        result = train_vfm(store, head, responses, spec, train, work, dev)
+        result = train_vfm(store, head, responses, spec, train, work, dev, remote=remote)
     last = checkpoints.latest(work / "checkpoints")
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)

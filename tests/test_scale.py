@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from flows.cli import main
 from flows.pipeline import pipeline
@@ -120,6 +121,24 @@ def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
     after = {p: fs.info(p)["LastModified"] for p in fs.find(loc.path)}
     rebuilt = {p for p in after if before.get(p) != after[p]}
     assert rebuilt and all("part-00001" in p or p.endswith(("manifest.json", "_plan.json")) for p in rebuilt)
+
+    # The head's checkpoints are mirrored into the store, so a retry on another machine (empty local
+    # work folder) resumes from the last one there instead of starting over.
+    from tasks.head import SHARD, workdir
+
+    head = st.loc(refs["head"])
+    assert head.listdir("checkpoints") == ["step-00000003", "step-00000006"]
+    first = load(head.read_bytes(f"{SHARD}/adapter_model.safetensors"))
+    for rel in ("manifest.json", f"_markers/{SHARD}.json", SHARD, "checkpoints/step-00000006"):
+        head.remove(rel)
+    shutil.rmtree(workdir(st, refs["head"]))
+    again = pipeline(cfg, until="head")
+    history = st.manifest(again["head"])["shards"][SHARD]["history"]
+    assert [h["step"] for h in history] == [4, 5, 6]
+    resumed = load(head.read_bytes(f"{SHARD}/adapter_model.safetensors"))
+    assert resumed.keys() == first.keys()
+    for k in first:
+        torch.testing.assert_close(resumed[k], first[k], atol=1e-6, rtol=0)
 
     # A corrupted object makes verify exit 1 naming it.
     name = next(p for p in fs.find(loc.path) if "part-00002.zarr/hidden/c" in p)

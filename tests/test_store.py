@@ -4,6 +4,7 @@ import json
 
 import pyarrow as pa
 import pytest
+import torch
 
 from stores.artifacts import ArtifactStore, IncompleteArtifactError, hash_local_tree
 from stores.parquet import TOKENS, read_shard, write_shard
@@ -100,3 +101,43 @@ def test_manifest_is_written_atomically(tmp_path):
     loc.write_json("a/manifest.json", {"ok": True})
     assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == {"ok": True}
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["manifest.json"]  # no temp file left behind
+
+
+class _Adapter(torch.nn.Linear):
+    """Stands in for a PEFT model: `save_pretrained` writes its weights as safetensors."""
+
+    def save_pretrained(self, out, safe_serialization=True):
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, out / "w.safetensors")
+
+
+def test_checkpoints_mirrored_to_a_remote_store_resume_on_another_machine(tmp_path):
+    from stores import checkpoints
+
+    remote = Location.of(f"memory://a2d-ckpt-{tmp_path.name}/head/k/checkpoints")
+    model = _Adapter(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in (1, 2, 3):
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        checkpoints.publish(tmp_path / "a", step, 2, model, {}, opt, None, step, {}, remote=remote)
+    assert remote.listdir() == ["step-00000002", "step-00000003"]  # keep=2 on both sides
+
+    # A fresh machine (empty work folder) gets the newest verified checkpoint back, bit for bit.
+    got = checkpoints.restore(remote, tmp_path / "b")
+    assert got is not None and got.name == "step-00000003"
+    assert hash_local_tree(got) == hash_local_tree(tmp_path / "a" / "step-00000003")
+    assert checkpoints.latest(tmp_path / "b") == got
+    # Nothing newer remotely: the local checkpoint is used and nothing is downloaded again.
+    assert checkpoints.restore(remote, tmp_path / "b") == got
+
+    # An upload cut short (no state.json) and a corrupted object are both passed over.
+    remote.write_bytes("step-00000009/w.bin", b"partial")
+    data = bytearray(remote.read_bytes("step-00000003/optimizer.safetensors"))
+    data[-1] ^= 0xFF
+    remote.write_bytes("step-00000003/optimizer.safetensors", bytes(data))
+    got = checkpoints.restore(remote, tmp_path / "c")
+    assert got is not None and got.name == "step-00000002"
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-00000002"]
