@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
 from tasks.concurrency import gpu_slot
+from tasks.interrupt import Stopped, on_sigterm
 from tasks.report import Progress, in_prefect_run
 from tasks.stage import logger
 from tasks.train_head import TrainJob
@@ -82,12 +84,13 @@ def parse_event(line: str) -> tuple[str, str, dict[str, Any]] | None:
 
 
 def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the training process to the end, streaming its lines into the logs; raises on failure."""
-    log = logger()
+    """Run the training process to the end, streaming its lines into the logs; raises on failure
+    (`Stopped` when SIGTERM stopped it after a checkpoint)."""
     work = Path(job.workdir)
     work.mkdir(parents=True, exist_ok=True)
     job_path = work / "job.json"
     job_path.write_text(job.model_dump_json(indent=2))
+    (work / "result.json").unlink(missing_ok=True)  # written by the trainer when it ends
     progress = Progress(job.spec.steps, f"head {job.head.key}")
     root = Path(__file__).resolve().parents[1]
     full_env = {
@@ -104,6 +107,29 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
         cwd=str(root),
     )
     assert proc.stdout is not None
+    # SIGTERM to this process (pod eviction, Prefect cancellation) is passed on, so the trainer
+    # saves a checkpoint at the end of its current step before everything exits.
+    with on_sigterm(lambda: proc.send_signal(signal.SIGTERM)):
+        code = _stream(proc, progress)
+    done = work / "result.json"
+    result = json.loads(done.read_text()) if done.is_file() else None
+    if result is None or (code != 0 and not result["stopped"]):
+        raise RuntimeError(
+            f"head training exited with code {code}; rerun the head stage to resume from the last checkpoint"
+        )
+    # after SIGTERM torchrun exits non-zero even though every rank checkpointed and stopped cleanly
+    if result["stopped"] and job.stop_after is None:
+        raise Stopped(
+            f"head training stopped by SIGTERM at step {result['step']} after saving a checkpoint; "
+            "rerun the head stage to resume"
+        )
+    return result
+
+
+def _stream(proc: subprocess.Popen, progress: Progress) -> int:
+    """Forward the trainer's lines into the logs (events parsed) until it exits; its exit code."""
+    log = logger()
+    assert proc.stdout is not None
     for line in proc.stdout:
         line = line.rstrip()
         event = parse_event(line)
@@ -118,12 +144,7 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
             log.info("train %s %s", kind, payload)
         elif line and "Loading weights" not in line:
             log.info("train | %s", line)
-    code = proc.wait()
-    if code != 0:
-        raise RuntimeError(
-            f"head training exited with code {code}; rerun the head stage to resume from the last checkpoint"
-        )
-    return json.loads((work / "result.json").read_text())
+    return proc.wait()
 
 
 @task(name="head-train", task_run_name="head-{ref.key}", tags=["gpu"])

@@ -229,8 +229,7 @@ def train(job: TrainJob) -> dict[str, Any]:
         step = state["step"]
         emit("resume", step=step, checkpoint=last.name)
     stop = {"flag": False}
-    if hasattr(signal, "SIGTERM"):
-        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))  # this process's main thread
     layers = reader.layers
     history = []
     while step < spec.steps:

@@ -21,6 +21,7 @@ from stores.keys import artifact_key
 from stores.uri import Location
 from tasks.concurrency import gpu_slot
 from tasks.head import load_student, workdir
+from tasks.interrupt import StopFlag, Stopped, on_sigterm
 from tasks.report import Progress
 from tasks.responses import eos_ids, read_responses
 from tasks.stage import logger
@@ -90,68 +91,70 @@ def train_vfm(
     history = []
     progress = Progress(spec.steps, "vfm")
     bar = tqdm(total=spec.steps, initial=step, desc="vfm", leave=False)
-    while step < spec.steps:
-        rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
-        batch = batch_tensors(
-            [rows[i] for i in rng.choice(len(rows), spec.micro_batch_size)],
-            spec.max_len,
-            eos[0],
-            student.tok.pad_token_id,
-        )
-        ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
-        mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
-        noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
-        z = adapter.embed(mu + (0.5 * logvar).exp() * noise)  # reparameterised, in embedding units
-        supervised = torch.ones_like(targets, dtype=torch.bool)
-        if spec.refine_fraction > 0:  # commit a random share of true tokens; the loss is on the rest
-            keep = torch.from_numpy(rng.random(targets.shape) < rng.uniform(0, spec.refine_fraction)).to(
-                device
+    stop = StopFlag()  # SIGTERM: checkpoint after this step, then stop
+    with on_sigterm(stop):
+        while step < spec.steps:
+            rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
+            batch = batch_tensors(
+                [rows[i] for i in rng.choice(len(rows), spec.micro_batch_size)],
+                spec.max_len,
+                eos[0],
+                student.tok.pad_token_id,
             )
-            true_emb = student.model.get_base_model().get_input_embeddings()(targets)
-            z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
-            supervised = ~keep
-        logits = flow_map_logits(
-            student, ids, pad, z, dspec["attention"], dspec["block_size"], shifted
-        )  # (B, L, V)
-        ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])
-        kl = kl_standard_normal(mu, logvar)
-        beta = spec.beta * min(1.0, (step + 1) / max(1.0, spec.beta_warmup * spec.steps))
-        loss = ce / (2 * spec.tau**2) + beta * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        history.append(
-            {
-                "step": step,
-                "loss": round(loss.item(), 6),
-                "ce": round(ce.item(), 6),
-                "kl": round(kl.item(), 4),
-            }
-        )
-        bar.update(1)
-        progress.advance(1)
-        if step % train.log_every == 0:
-            log.info("vfm step %d/%d ce %.4f kl %.2f", step, spec.steps, ce.item(), kl.item())
-        if step % train.checkpoint_every == 0 or step == spec.steps or step == stop_after:
-            checkpoints.publish(
-                root,
-                step,
-                train.keep_checkpoints,
-                adapter,
-                {},
-                optimizer,
-                scheduler,
-                step * spec.micro_batch_size,
-                {},
-                remote=remote,
+            ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
+            mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
+            noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
+            z = adapter.embed(mu + (0.5 * logvar).exp() * noise)  # reparameterised, in embedding units
+            supervised = torch.ones_like(targets, dtype=torch.bool)
+            if spec.refine_fraction > 0:  # commit a random share of true tokens; the loss is on the rest
+                keep = torch.from_numpy(rng.random(targets.shape) < rng.uniform(0, spec.refine_fraction)).to(
+                    device
+                )
+                true_emb = student.model.get_base_model().get_input_embeddings()(targets)
+                z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
+                supervised = ~keep
+            logits = flow_map_logits(
+                student, ids, pad, z, dspec["attention"], dspec["block_size"], shifted
+            )  # (B, L, V)
+            ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])
+            kl = kl_standard_normal(mu, logvar)
+            beta = spec.beta * min(1.0, (step + 1) / max(1.0, spec.beta_warmup * spec.steps))
+            loss = ce / (2 * spec.tau**2) + beta * kl
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            history.append(
+                {
+                    "step": step,
+                    "loss": round(loss.item(), 6),
+                    "ce": round(ce.item(), 6),
+                    "kl": round(kl.item(), 4),
+                }
             )
-        if step == stop_after:
-            break
+            bar.update(1)
+            progress.advance(1)
+            if step % train.log_every == 0:
+                log.info("vfm step %d/%d ce %.4f kl %.2f", step, spec.steps, ce.item(), kl.item())
+            if step % train.checkpoint_every == 0 or step in (spec.steps, stop_after) or stop.set:
+                checkpoints.publish(
+                    root,
+                    step,
+                    train.keep_checkpoints,
+                    adapter,
+                    {},
+                    optimizer,
+                    scheduler,
+                    step * spec.micro_batch_size,
+                    {},
+                    remote=remote,
+                )
+            if step == stop_after or stop.set:
+                break
     bar.close()
-    return {"step": step, "history": history}
+    return {"step": step, "history": history, "stopped": stop.set}
 
 
 @task(name="vfm-train", task_run_name="vfm-{ref.key}", tags=["gpu"])
@@ -174,6 +177,11 @@ def vfm_train(
             logger().info("vfm %s resumes from checkpoint %s", ref.key, found.name)
     with gpu_slot():
         result = train_vfm(store, head, responses, spec, train, work, dev, remote=remote)
+    if result["stopped"]:
+        raise Stopped(
+            f"vfm training stopped by SIGTERM at step {result['step']} after saving a checkpoint; "
+            "rerun the vfm stage to resume"
+        )
     last = checkpoints.latest(work / "checkpoints")
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)

@@ -1,6 +1,8 @@
 """head: attention modes proven on both architectures, losses fall, exact resume, provenance, decoding."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -249,6 +251,54 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
     ea = load_file(tmp_path / "killed" / "checkpoints" / "step-00000006" / "extras.safetensors")
     eb = load_file(tmp_path / "clean" / "checkpoints" / "step-00000006" / "extras.safetensors")
     torch.testing.assert_close(ea["mask_embedding"], eb["mask_embedding"], atol=1e-6, rtol=0)
+
+
+TERMINATED = """
+import logging, sys
+from pathlib import Path
+from tasks.head import run_training
+from tasks.train_head import TrainJob
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)
+run_training(TrainJob.model_validate_json(Path(sys.argv[1]).read_text()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_to_the_task_saves_the_current_step_and_stops(data, tmp_path, processes):
+    """SIGTERM (pod eviction, cancellation) reaches the task process; it is forwarded to the trainer
+    (through accelerate/torchrun to every rank), which checkpoints the step it is on and exits; the
+    task then fails with a resumable error."""
+    from stores import checkpoints
+
+    store, cfg, refs = data
+    spec = cfg.head.model_copy(update={"steps": 1000})  # far more than can run before the signal lands
+    job = _job(store, cfg, refs, spec, workdir_=tmp_path / "w").model_copy(
+        update={"train": cfg.train.model_copy(update={"log_every": 1, "num_processes": processes})}
+    )
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TERMINATED, str(tmp_path / "job.json")],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "train progress" in line:  # step 1 is done; the trainer is inside step 2
+            proc.send_signal(signal.SIGTERM)
+            break
+    err = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 1, err[-2000:]
+    assert "train stopped" in err and "Stopped: head training stopped by SIGTERM at step" in err
+    step = int(re.search(r"stopped by SIGTERM at step (\d+)", err).group(1))
+    assert 1 <= step < 100
+    # the checkpoint of the step it stopped on, whether or not on the checkpoint_every=3 grid
+    last = checkpoints.latest(tmp_path / "w" / "checkpoints")
+    assert last.name == f"step-{step:08d}"
+    assert json.loads((last / checkpoints.STATE).read_text())["world"] == processes
 
 
 def test_head_stage_publishes_a_loadable_adapter_and_decodes(data):

@@ -59,6 +59,29 @@ def test_vfm_resume_is_exact_and_the_artifact_is_reused(built, tmp_path):
     assert pipeline(cfg, until="vfm")["vfm"] == refs["vfm"]
 
 
+def test_sigterm_during_vfm_training_saves_that_step_and_stops(built, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from stores import checkpoints
+    from tasks import vfm as vfm_task
+
+    class TermAfterFirstStep(vfm_task.Progress):
+        def advance(self, n: int = 1) -> None:
+            super().advance(n)
+            if self.done == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled in this (main) thread before step 2
+
+    monkeypatch.setattr(vfm_task, "Progress", TermAfterFirstStep)
+    store, cfg, refs = built
+    opts = TrainOptions(checkpoint_every=3, log_every=100)
+    before = signal.getsignal(signal.SIGTERM)
+    out = train_vfm(ArtifactStore(store), refs["head"], refs["responses"], cfg.vfm, opts, tmp_path)
+    assert out["stopped"] and out["step"] == 1
+    assert checkpoints.latest(tmp_path / "checkpoints").name == "step-00000001"  # off the every-3 grid
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is only installed while training
+
+
 def test_eval_reports_every_sampler(built):
     store, cfg, refs = built
     st = ArtifactStore(store)
