@@ -240,6 +240,10 @@ class VFMSpec(Spec):
     micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per step")
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate")
     seed: int = Field(0, ge=0, description="Seed of data order and noise")
+    tune_lora: bool = Field(
+        False, description="Also train the flow map's LoRA adapters (joint tuning); off keeps the head frozen"
+    )
+    lora_lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate of the LoRA adapters when tuned")
 
 
 class EvalSpec(Spec):

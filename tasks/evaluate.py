@@ -27,7 +27,7 @@ from tasks.head import load_student
 from tasks.report import artifact_key as prefect_key
 from tasks.report import in_prefect_run
 from tasks.responses import eos_ids, read_responses
-from tasks.vfm import load_vfm
+from tasks.vfm import load_flow_map, load_vfm
 
 STAGE = "eval"
 FORMAT_VERSION = 1
@@ -105,9 +105,10 @@ def evaluate(
         samplers[f"d3llm:ent{e:g}"] = diffusion(student, e, block, "entropy")
     if "vfm" in refs:
         adapter = load_vfm(store, refs["vfm"], device)
+        flow_map = load_flow_map(store, refs["vfm"], student, device)
         for k in spec.vfm_steps:
             samplers[f"vfm:k{k}"] = lambda p, k=k: vfm_generate(
-                student,
+                flow_map,
                 adapter,
                 p,
                 min(n, adapter.config["max_len"]),

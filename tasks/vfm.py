@@ -28,6 +28,7 @@ from tasks.stage import logger
 
 STAGE = "vfm"
 FORMAT_VERSION = 1
+FLOW_MAP_LORA = "flow_map_lora.safetensors"  # jointly tuned LoRA tensors, by parameter name
 SHARD = "noise_adapter"
 
 
@@ -48,6 +49,29 @@ def batch_tensors(rows: list[dict], length: int, eos: int, pad: int) -> dict[str
         resp = r["response_ids"][:length]
         targets[i, : len(resp)] = torch.tensor(resp)
     return {"ids": ids, "pad": mask, "targets": targets}
+
+
+def tunable_lora(student: Any) -> dict[str, torch.nn.Parameter]:
+    """The student's LoRA parameters, switched to trainable, by name."""
+    lora = {n: p for n, p in student.model.named_parameters() if "lora_" in n}
+    if not lora:
+        raise ValueError("vfm.tune_lora is set but the head's student has no LoRA parameters")
+    for p in lora.values():
+        p.requires_grad_(True)
+    return lora
+
+
+def apply_lora(lora: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved LoRA tensors into the student's parameters; the names must match exactly."""
+    if set(tensors) != set(lora):
+        missing, extra = sorted(set(lora) - set(tensors))[:3], sorted(set(tensors) - set(lora))[:3]
+        raise ValueError(
+            f"saved flow-map LoRA tensors do not fit this student (missing {missing}, unexpected {extra}); "
+            "they were trained on another head: rerun the vfm stage"
+        )
+    with torch.no_grad():
+        for name, t in tensors.items():
+            lora[name].copy_(t.to(lora[name].device, lora[name].dtype))
 
 
 def train_vfm(
@@ -71,7 +95,13 @@ def train_vfm(
     adapter = NoiseAdapter(hidden, spec.max_len, spec.width, spec.layers, spec.heads).to(device)
     embed_weight = student.model.get_base_model().get_input_embeddings().weight
     adapter.init_mean(student.mask.weight.detach(), float(embed_weight.float().pow(2).mean().sqrt()))
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=spec.lr)
+    # Joint tuning trains the flow map's LoRA weights too; they are checkpointed as "extras".
+    lora = tunable_lora(student) if spec.tune_lora else {}
+    groups = [{"params": list(adapter.parameters()), "lr": spec.lr}]
+    if lora:
+        groups.append({"params": list(lora.values()), "lr": spec.lora_lr})
+    params = [p for g in groups for p in g["params"]]
+    optimizer = torch.optim.AdamW(groups)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     rows = sorted(
         (r for r in read_responses(store, responses).to_pylist() if r["split"] == "train"),
@@ -81,7 +111,8 @@ def train_vfm(
     step = 0
     last = checkpoints.latest(root)
     if last is not None:
-        state, _ = checkpoints.load(last, optimizer, scheduler)
+        state, extras = checkpoints.load(last, optimizer, scheduler)
+        apply_lora(lora, extras)
         from safetensors.torch import load_file
 
         adapter.load_state_dict(load_file(last / "adapter" / "noise_adapter.safetensors"))
@@ -122,7 +153,7 @@ def train_vfm(
             loss = ce / (2 * spec.tau**2) + beta * kl
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             scheduler.step()
             step += 1
@@ -144,7 +175,7 @@ def train_vfm(
                     step,
                     train.keep_checkpoints,
                     adapter,
-                    {},
+                    {name: p.detach() for name, p in lora.items()},
                     optimizer,
                     scheduler,
                     step * spec.micro_batch_size,
@@ -185,6 +216,8 @@ def vfm_train(
     last = checkpoints.latest(work / "checkpoints")
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)
+        if spec.tune_lora:
+            shutil.copy(last / "extras.safetensors", out / FLOW_MAP_LORA)
         (out / "vfm_spec.json").write_text(
             json.dumps({**spec.model_dump(mode="json"), "head_key": head.key}, indent=2, sort_keys=True)
         )
@@ -210,3 +243,18 @@ def load_vfm(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu") -> Noi
     from tasks.teacher import cache_root
 
     return NoiseAdapter.from_pretrained(store.local_copy(ref, SHARD, cache_root())).to(device).eval()
+
+
+def load_flow_map(store: ArtifactStore, ref: ArtifactRef, head_student: Any, device: str = "cpu") -> Any:
+    """The student that maps [prompt ; z] to tokens for this VFM: the head's own when it was kept
+    frozen, else a fresh copy of the head's student carrying the jointly tuned LoRA weights."""
+    from safetensors.torch import load_file
+
+    from tasks.teacher import cache_root
+
+    tuned = store.local_copy(ref, SHARD, cache_root()) / FLOW_MAP_LORA
+    if not tuned.is_file():
+        return head_student
+    student, _ = load_student(store, store.ref("head", store.manifest(ref)["upstream"]["head"]), device)
+    apply_lora({n: p for n, p in student.model.named_parameters() if "lora_" in n}, load_file(tuned))
+    return student

@@ -59,6 +59,40 @@ def test_vfm_resume_is_exact_and_the_artifact_is_reused(built, tmp_path):
     assert pipeline(cfg, until="vfm")["vfm"] == refs["vfm"]
 
 
+def test_joint_lora_tuning_resumes_exactly_and_the_eval_uses_the_tuned_flow_map(built, tmp_path):
+    from tasks.head import load_student
+    from tasks.vfm import FLOW_MAP_LORA, load_flow_map
+
+    store, cfg, refs = built
+    st = ArtifactStore(store)
+    spec = cfg.vfm.model_copy(update={"tune_lora": True, "lora_lr": 1e-3})
+    opts = TrainOptions(checkpoint_every=2, log_every=100)
+    train_vfm(st, refs["head"], refs["responses"], spec, opts, tmp_path / "a", stop_after=2)
+    train_vfm(st, refs["head"], refs["responses"], spec, opts, tmp_path / "a")
+    train_vfm(st, refs["head"], refs["responses"], spec, opts, tmp_path / "b")
+    ckpt = "checkpoints/step-00000004/extras.safetensors"
+    a, b = load_file(tmp_path / "a" / ckpt), load_file(tmp_path / "b" / ckpt)
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+    # Through the pipeline: a new vfm key (tune_lora is semantic), the tuned LoRA published with the
+    # noise adapter, and the eval's flow map carrying it while the head's own student is untouched.
+    tuned_cfg = cfg.model_copy(update={"vfm": spec})
+    tuned = pipeline(tuned_cfg, until="vfm")
+    assert tuned["vfm"] != refs["vfm"] and tuned["head"] == refs["head"]
+    assert (st.loc(tuned["vfm"]).local_path() / "noise_adapter" / FLOW_MAP_LORA).is_file()
+    head_student, _ = load_student(st, refs["head"])
+    flow_map = load_flow_map(st, tuned["vfm"], head_student)
+    assert flow_map is not head_student
+    assert load_flow_map(st, refs["vfm"], head_student) is head_student  # frozen: the head itself
+    head_lora = dict(head_student.model.named_parameters())
+    moved = [
+        n for n, p in flow_map.model.named_parameters() if "lora_" in n and not torch.equal(p, head_lora[n])
+    ]
+    assert moved  # joint tuning changed the flow map's adapters
+
+
 def test_sigterm_during_vfm_training_saves_that_step_and_stops(built, tmp_path, monkeypatch):
     import os
     import signal
