@@ -273,8 +273,13 @@ class TrainOptions(Spec):
     distributed: Literal["ddp"] = Field(
         "ddp", description="Multi-process strategy (gradient mean over ranks)"
     )
+    mixed_precision: Literal["auto", "bf16", "no"] = Field(
+        "auto", description="bf16 autocast of forward passes; auto = on GPUs that support bf16, off on CPU"
+    )
     log_every: int = Field(5, ge=1, description="Steps between log lines")
-    wandb_project: str | None = Field(None, description="W&B project (mode from WANDB_MODE; off by default)")
+    wandb_project: str | None = Field(
+        None, description="W&B project; unset = no W&B. Mode from WANDB_MODE, offline when unset"
+    )
 
 
 class RunOptions(Spec):

@@ -186,6 +186,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_precision(mode: str, device: torch.device) -> str:
+    """Mixed precision for training: `auto` is bf16 autocast on a GPU that supports it, else none."""
+    if mode == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+    return mode
+
+
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The forward-pass context for `precision` ("bf16" or "no"); backward runs outside it."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def load_teacher(
     path: Path,
     dtype: str = "float32",

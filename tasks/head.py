@@ -212,6 +212,7 @@ def head_train(
         "diffusion_spec": diffusion_spec,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
+        "precision": result.get("precision"),
         "history": history[-50:],
     }
     return store.write_marker(ref, SHARD, files, stats)

@@ -26,12 +26,14 @@ from flows.config import HeadSpec, TeacherSpec, TrainOptions
 from models.capture import capture_layers
 from models.losses import alignment_loss, masked_diffusion_loss
 from models.student import Student, build_student, lm_head, student_hidden
+from models.teacher import autocast, resolve_precision
 from models.trajectory import ViewSampler
 from stores import checkpoints
 from stores.anchors import AnchorReader
 from stores.artifacts import ArtifactRef, ArtifactStore
 from tasks import teacher as teacher_stage
 from tasks.responses import read_responses
+from tasks.tracking import Tracker
 from tasks.trajectories import read_trajectories
 
 
@@ -230,6 +232,16 @@ def train(job: TrainJob) -> dict[str, Any]:
         emit("resume", step=step, checkpoint=last.name)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))  # this process's main thread
+    precision = resolve_precision(opts.mixed_precision, accelerator.device)
+    tracker = Tracker(
+        opts.wandb_project if rank == 0 else None,
+        "head",
+        job.head.key,
+        {"head": spec.model_dump(mode="json"), "train": opts.model_dump(mode="json"), "precision": precision},
+        Path(job.workdir),
+    )
+    if tracker.url:
+        emit("wandb", url=tracker.url)
     layers = reader.layers
     history = []
     while step < spec.steps:
@@ -251,7 +263,10 @@ def train(job: TrainJob) -> dict[str, Any]:
                 else []
             )
             captured: dict[int, torch.Tensor] = {}
-            with capture_layers(student.model.get_base_model(), chosen, captured.__setitem__):
+            with (
+                capture_layers(student.model.get_base_model(), chosen, captured.__setitem__),
+                autocast(accelerator.device, precision),
+            ):
                 loss, info = diffusion_ce(student, batch, batch["loss"], spec, accelerator.device)
             align = torch.zeros((), device=accelerator.device)
             if chosen:
@@ -268,7 +283,8 @@ def train(job: TrainJob) -> dict[str, Any]:
                 align = alignment_loss(s_h, t_h)
             total = loss + lam * align
             if spec.complementary:
-                comp, _ = diffusion_ce(student, batch, batch["comp_loss"], spec, accelerator.device)
+                with autocast(accelerator.device, precision):
+                    comp, _ = diffusion_ce(student, batch, batch["comp_loss"], spec, accelerator.device)
                 total = total + comp
             accelerator.backward(total / spec.grad_accum)
             stats["loss"] += total.item() / spec.grad_accum
@@ -289,6 +305,7 @@ def train(job: TrainJob) -> dict[str, Any]:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             stop["flag"] = bool(flag.item())
         history.append({"step": step, **{k: round(v, 6) for k, v in stats.items()}})
+        tracker.log({**history[-1], "lr": scheduler.get_last_lr()[0], "lambda": lam}, step)
         if rank == 0 and (step % opts.log_every == 0 or step == spec.steps):
             emit("progress", total=spec.steps, **history[-1], lr=scheduler.get_last_lr()[0])
         if step % opts.checkpoint_every == 0 or step == spec.steps or stop["flag"] or step == job.stop_after:
@@ -310,8 +327,16 @@ def train(job: TrainJob) -> dict[str, Any]:
             accelerator.wait_for_everyone()
             if stop["flag"] or step == job.stop_after:
                 emit("stopped", step=step)
+                tracker.finish()
                 return {"step": step, "stopped": True, "history": history}
-    return {"step": step, "stopped": False, "history": history, "student": student.info.__dict__}
+    tracker.finish()
+    return {
+        "step": step,
+        "stopped": False,
+        "history": history,
+        "student": student.info.__dict__,
+        "precision": precision,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

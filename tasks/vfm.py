@@ -13,7 +13,7 @@ from prefect import task
 from tqdm import tqdm
 
 from flows.config import TrainOptions, VFMSpec
-from models.teacher import resolve_device
+from models.teacher import autocast, resolve_device, resolve_precision
 from models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt_states
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
@@ -22,9 +22,10 @@ from stores.uri import Location
 from tasks.concurrency import gpu_slot
 from tasks.head import load_student, workdir
 from tasks.interrupt import StopFlag, Stopped, on_sigterm
-from tasks.report import Progress
+from tasks.report import Progress, in_prefect_run
 from tasks.responses import eos_ids, read_responses
 from tasks.stage import logger
+from tasks.tracking import Tracker
 
 STAGE = "vfm"
 FORMAT_VERSION = 1
@@ -74,6 +75,33 @@ def apply_lora(lora: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Ten
             lora[name].copy_(t.to(lora[name].device, lora[name].dtype))
 
 
+def vfm_losses(
+    student: Any,
+    adapter: NoiseAdapter,
+    batch: dict[str, torch.Tensor],
+    rng: np.random.Generator,
+    spec: VFMSpec,
+    dspec: dict[str, Any],
+    device: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch through q_φ and the flow map: (CE of the one-step logits, KL(q ‖ N(0, I)))."""
+    ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
+    mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
+    mu, logvar = mu.float(), logvar.float()
+    noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
+    z = adapter.embed(mu + (0.5 * logvar).exp() * noise)  # reparameterised, in embedding units
+    supervised = torch.ones_like(targets, dtype=torch.bool)
+    if spec.refine_fraction > 0:  # commit a random share of true tokens; the loss is on the rest
+        keep = torch.from_numpy(rng.random(targets.shape) < rng.uniform(0, spec.refine_fraction)).to(device)
+        true_emb = student.model.get_base_model().get_input_embeddings()(targets)
+        z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
+        supervised = ~keep
+    shifted = dspec["logit_alignment"] == "shifted"
+    logits = flow_map_logits(student, ids, pad, z, dspec["attention"], dspec["block_size"], shifted)
+    ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])  # (B, L, V) rows
+    return ce, kl_standard_normal(mu, logvar)
+
+
 def train_vfm(
     store: ArtifactStore,
     head: ArtifactRef,
@@ -118,12 +146,23 @@ def train_vfm(
         adapter.load_state_dict(load_file(last / "adapter" / "noise_adapter.safetensors"))
         step = state["step"]
         log.info("vfm: resumed from %s", last.name)
-    shifted = dspec["logit_alignment"] == "shifted"
     history = []
     progress = Progress(spec.steps, "vfm")
     bar = tqdm(total=spec.steps, initial=step, desc="vfm", leave=False)
     stop = StopFlag()  # SIGTERM: checkpoint after this step, then stop
-    with on_sigterm(stop):
+    precision = resolve_precision(train.mixed_precision, torch.device(device))
+    tracker = Tracker(
+        train.wandb_project,
+        "vfm",
+        work.name,
+        {"vfm": spec.model_dump(mode="json"), "train": train.model_dump(mode="json"), "precision": precision},
+        work,
+    )
+    if tracker.url and in_prefect_run():
+        from prefect.artifacts import create_link_artifact
+
+        create_link_artifact(key="a2d-vfm-wandb", link=tracker.url, description="W&B run")
+    with on_sigterm(stop), tracker:
         while step < spec.steps:
             rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
             batch = batch_tensors(
@@ -132,23 +171,8 @@ def train_vfm(
                 eos[0],
                 student.tok.pad_token_id,
             )
-            ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
-            mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
-            noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
-            z = adapter.embed(mu + (0.5 * logvar).exp() * noise)  # reparameterised, in embedding units
-            supervised = torch.ones_like(targets, dtype=torch.bool)
-            if spec.refine_fraction > 0:  # commit a random share of true tokens; the loss is on the rest
-                keep = torch.from_numpy(rng.random(targets.shape) < rng.uniform(0, spec.refine_fraction)).to(
-                    device
-                )
-                true_emb = student.model.get_base_model().get_input_embeddings()(targets)
-                z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
-                supervised = ~keep
-            logits = flow_map_logits(
-                student, ids, pad, z, dspec["attention"], dspec["block_size"], shifted
-            )  # (B, L, V)
-            ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])
-            kl = kl_standard_normal(mu, logvar)
+            with autocast(torch.device(device), precision):
+                ce, kl = vfm_losses(student, adapter, batch, rng, spec, dspec, device)
             beta = spec.beta * min(1.0, (step + 1) / max(1.0, spec.beta_warmup * spec.steps))
             loss = ce / (2 * spec.tau**2) + beta * kl
             optimizer.zero_grad(set_to_none=True)
@@ -165,6 +189,7 @@ def train_vfm(
                     "kl": round(kl.item(), 4),
                 }
             )
+            tracker.log({**history[-1], "beta": beta}, step)
             bar.update(1)
             progress.advance(1)
             if step % train.log_every == 0:

@@ -1,6 +1,7 @@
 """head: attention modes proven on both architectures, losses fall, exact resume, provenance, decoding."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -251,6 +252,40 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
     ea = load_file(tmp_path / "killed" / "checkpoints" / "step-00000006" / "extras.safetensors")
     eb = load_file(tmp_path / "clean" / "checkpoints" / "step-00000006" / "extras.safetensors")
     torch.testing.assert_close(ea["mask_embedding"], eb["mask_embedding"], atol=1e-6, rtol=0)
+
+
+def test_mixed_precision_resolution_and_autocast():
+    from models.teacher import autocast, resolve_precision
+
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == "no" and resolve_precision("bf16", cpu) == "bf16"
+    layer = torch.nn.Linear(4, 4)
+    with autocast(cpu, "bf16"):
+        assert layer(torch.ones(1, 4)).dtype == torch.bfloat16
+    with autocast(cpu, "no"):
+        assert layer(torch.ones(1, 4)).dtype == torch.float32
+
+
+def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
+    """train.mixed_precision=bf16 runs the forwards under autocast (also on CPU when forced), and a
+    W&B project with WANDB_MODE=offline writes a local run holding the step metrics."""
+    store, cfg, refs = data
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    spec = cfg.head.model_copy(update={"steps": 2})
+    job = _job(store, cfg, refs, spec, workdir_=tmp_path).model_copy(
+        update={
+            "train": cfg.train.model_copy(update={"mixed_precision": "bf16", "wandb_project": "a2d-test"})
+        }
+    )
+    out = train(job)
+    assert out["precision"] == "bf16" and all(math.isfinite(h["loss"]) for h in out["history"])
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith(f"head-{job.head.key}")
+    # the run's record log (protobuf) carries the logged keys and values as JSON text
+    record = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"lambda" in record
+    assert json.dumps(out["history"][-1]["loss"]).encode() in record
 
 
 TERMINATED = """

@@ -1,0 +1,55 @@
+"""Experiment tracking with Weights & Biases: off unless `train.wandb_project` is set.
+
+With a project set, the mode comes from WANDB_MODE and is `offline` when that is unset, so nothing
+leaves the machine unless the user asks for it (`WANDB_MODE=online`). The run id is the artifact's
+stage and key, so a resumed training continues the same W&B run. Runs write under the training
+work folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+class Tracker:
+    """One W&B run for one training artifact, or a no-op."""
+
+    def __init__(self, project: str | None, stage: str, key: str, config: dict[str, Any], workdir: Path):
+        self.run: Any = None
+        if not project:
+            return
+        import wandb
+
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            id=f"{stage}-{key}",
+            name=f"{stage}-{key}",
+            resume="allow",
+            config=config,
+            dir=str(workdir),
+            mode=os.environ.get("WANDB_MODE") or "offline",
+            job_type=stage,
+        )
+
+    @property
+    def url(self) -> str | None:
+        """The run's page, when it has one (online mode)."""
+        return getattr(self.run, "url", None) if self.run is not None else None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
