@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from tqdm import tqdm
 
 from flows.config import HeadSpec, LoadSpec, TeacherSpec, TrainOptions
 from models.teacher import resolve_device
@@ -109,8 +110,9 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
     assert proc.stdout is not None
     # SIGTERM to this process (pod eviction, Prefect cancellation) is passed on, so the trainer
     # saves a checkpoint at the end of its current step before everything exits.
-    with on_sigterm(lambda: proc.send_signal(signal.SIGTERM)):
-        code = _stream(proc, progress)
+    bar = tqdm(total=job.spec.steps, desc=f"head {job.head.key}", leave=False)
+    with on_sigterm(lambda: proc.send_signal(signal.SIGTERM)), bar:
+        code = _stream(proc, progress, bar)
     done = work / "result.json"
     result = json.loads(done.read_text()) if done.is_file() else None
     if result is None or (code != 0 and not result["stopped"]):
@@ -126,7 +128,7 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
     return result
 
 
-def _stream(proc: subprocess.Popen, progress: Progress) -> int:
+def _stream(proc: subprocess.Popen, progress: Progress, bar: tqdm) -> int:
     """Forward the trainer's lines into the logs (events parsed) until it exits; its exit code."""
     log = logger()
     assert proc.stdout is not None
@@ -135,7 +137,8 @@ def _stream(proc: subprocess.Popen, progress: Progress) -> int:
         event = parse_event(line)
         if event is not None:
             kind, payload, fields = event
-            if kind == "progress":
+            if kind in ("progress", "resume"):
+                bar.update(fields["step"] - bar.n)
                 progress.advance(fields["step"] - progress.done)
             if kind == "wandb" and fields.get("url") and in_prefect_run():
                 from prefect.artifacts import create_link_artifact
