@@ -14,12 +14,15 @@ Hybrid models (Gated DeltaNet layers in qwen3_5) also state `linear_attention`:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from models.teacher import decoder_layers
+
+log = logging.getLogger("a2d")
 
 ROUTER_NAMES = ("router", "gate", "shared_expert_gate")  # MoE routers: never adapted
 LINEAR_TYPES = ("Linear", "Linear4bit", "Linear8bitLt")
@@ -127,6 +130,7 @@ class StudentInfo:
     target_names: list[str]
     linear_attention_layers: int
     quantization: str
+    fallback: str | None = None  # why NF4 was asked for but the base was loaded unquantized
 
 
 def mask_token_id(tok, model: nn.Module) -> tuple[int, bool]:
@@ -176,11 +180,19 @@ def build_student(
     gradient_checkpointing: bool = False,
     adapter_dir=None,
 ) -> Student:
-    """Load the teacher from `teacher_dir` (NF4 or `dtype`) and make it a student (see `make_student`)."""
-    from models.teacher import load_teacher
+    """Load the teacher from `teacher_dir` (NF4 or `dtype`) and make it a student (see `make_student`).
 
+    NF4 on a device bitsandbytes cannot serve falls back to the unquantized base (bf16 when the
+    compute dtype is bf16), with the reason kept in `info.fallback` and logged.
+    """
+    from models.teacher import load_teacher, resolve_device
+
+    fallback = nf4_unavailable(resolve_device(device)) if quantization == "nf4" else None
+    if fallback is not None:
+        log.warning("NF4 is not available (%s); loading the base in %s instead", fallback, dtype)
+        quantization = "none"
     model, tok = load_teacher(teacher_dir, dtype, quantization, device)
-    return make_student(
+    student = make_student(
         model,
         tok,
         quantization,
@@ -191,6 +203,19 @@ def build_student(
         gradient_checkpointing,
         adapter_dir,
     )
+    student.info.fallback = fallback
+    return student
+
+
+def nf4_unavailable(device: torch.device) -> str | None:
+    """Why bitsandbytes NF4 cannot run on `device`, or None when it can."""
+    if device.type not in ("cuda", "cpu", "xpu"):
+        return f"bitsandbytes has no 4-bit kernels for {device.type} devices"
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # an ImportError, or a failed native-library setup at import time
+        return f"bitsandbytes does not load here ({type(exc).__name__}: {exc})"
+    return None
 
 
 def make_student(

@@ -199,6 +199,7 @@ def head_train(
         "block_size": spec.block_size,
         "teacher_key": teacher.key,
         "quantization": info["quantization"],
+        "quantization_fallback": info.get("fallback"),
         "lora_modules": info["lora_modules"],
         "lora_targets": info["target_names"],
         "steps": spec.steps,

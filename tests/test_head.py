@@ -98,6 +98,20 @@ def test_training_events_come_from_rank_zero_and_a_garbled_line_is_not_fatal(cap
     assert parse_event("A2D done") is None and parse_event("loading weights") is None
 
 
+def test_nf4_falls_back_to_the_unquantized_base_where_bitsandbytes_cannot_run(teachers, monkeypatch):
+    import models.student as student_module
+    from models.student import nf4_unavailable
+
+    assert nf4_unavailable(torch.device("cpu")) is None  # bitsandbytes serves the CPU here
+    assert "mps" in nf4_unavailable(torch.device("mps"))
+    monkeypatch.setattr(student_module, "nf4_unavailable", lambda device: "no 4-bit kernels (test)")
+    student = build_student(
+        teachers / "llama", "nf4", "float32", "cpu", LORA, "bidirectional", "bidirectional", 4
+    )
+    assert student.info.quantization == "none" and student.info.fallback == "no 4-bit kernels (test)"
+    assert not any(type(m).__name__ == "Linear4bit" for m in student.model.modules())
+
+
 def test_lora_covers_every_projection_of_the_hybrid(teachers):
     student = build_student(
         teachers / "qwen3_5", "nf4", "float32", "cpu", LORA, "bidirectional", "bidirectional", 4
