@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The temporary Prefect server a run may start inherits this: it stays off the network unless
+    # the user opts in (offline machines otherwise log a telemetry error on every run).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

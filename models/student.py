@@ -142,6 +142,14 @@ def mask_token_id(tok, model: nn.Module) -> tuple[int, bool]:
     if tok.mask_token_id < rows:
         return tok.mask_token_id, False
     model.resize_token_embeddings(len(tok), mean_resizing=False)
+    # The new rows start at zero, not random: the same base then rebuilds bit-identical rows on
+    # every load, so checkpoints need not carry the whole embedding matrix (the mask token's input
+    # embedding is trained separately, and its output logit is never sampled).
+    with torch.no_grad():
+        model.get_input_embeddings().weight[rows:] = 0
+        out = model.get_output_embeddings()
+        if out is not None:
+            out.weight[rows:] = 0
     return tok.mask_token_id, True
 
 

@@ -90,7 +90,11 @@ def save(
 ) -> None:
     """Write a complete checkpoint into `out` (a fresh local folder); state.json last."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out / "adapter", safe_serialization=True)
+    # A PEFT model saves only its adapters: embedding rows added for the mask token are rebuilt
+    # identically from the base (see models.student.mask_token_id), so the full embedding matrix
+    # (PEFT's default after a resize) would only multiply the checkpoint size.
+    extra = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
+    model.save_pretrained(out / "adapter", safe_serialization=True, **extra)
     save_file({k: v.detach().cpu().contiguous() for k, v in extras.items()}, out / "extras.safetensors")
     tensors, meta = _optimizer_tensors(optimizer)
     save_file(tensors, out / "optimizer.safetensors")

@@ -112,6 +112,45 @@ def test_nf4_falls_back_to_the_unquantized_base_where_bitsandbytes_cannot_run(te
     assert not any(type(m).__name__ == "Linear4bit" for m in student.model.modules())
 
 
+def test_a_resized_vocabulary_keeps_checkpoints_small_and_reloads_identically(tmp_path):
+    """No free embedding row for the mask token: the vocabulary grows by one zero row, checkpoints
+    hold only the adapters (not the embedding matrix), and a reload reproduces the logits exactly."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from stores import checkpoints
+
+    build_random_teacher("llama", 1, 64, 0, tmp_path / "t", "float32")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "t")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "full")
+    tok.save_pretrained(tmp_path / "full")
+    student = build_student(tmp_path / "full", "none", "float32", "cpu", LORA, "bidirectional", "causal", 4)
+    assert student.info.mask_id == len(tok)  # a new row
+    embed = student.model.get_input_embeddings().weight
+    assert embed.shape[0] == len(tok) + 1 and not embed[-1].any()
+    with torch.no_grad():  # move the adapters away from their identity init
+        for name, p in student.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    opt = torch.optim.SGD([p for p in student.model.parameters() if p.requires_grad], lr=0.1)
+    checkpoints.save(tmp_path / "ck", student.model, student.extras(), opt, None, 1, 0, {})
+    saved = load_file(tmp_path / "ck" / "adapter" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)  # no embed_tokens / lm_head matrices
+    again = build_student(
+        tmp_path / "full", "none", "float32", "cpu", LORA, "bidirectional", "causal", 4,
+        adapter_dir=tmp_path / "ck" / "adapter",
+    )  # fmt: skip
+    again.load_extras(load_file(tmp_path / "ck" / "extras.safetensors"))
+    ids = torch.tensor([[5, 6, student.info.mask_id, 7]])
+    torch.testing.assert_close(
+        _logits(again, ids, "bidirectional", 4), _logits(student, ids, "bidirectional", 4), atol=0, rtol=0
+    )
+
+
 def test_lora_covers_every_projection_of_the_hybrid(teachers):
     student = build_student(
         teachers / "qwen3_5", "nf4", "float32", "cpu", LORA, "bidirectional", "bidirectional", 4
