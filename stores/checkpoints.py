@@ -223,8 +223,9 @@ def restore(remote: Location, root: Path) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
         for rel in src.files():
             src.get_file(rel, tmp / rel)
-        want = json.loads((tmp / STATE).read_text())["files"]
-        if {k: v for k, v in hash_local_tree(tmp).items() if k != STATE} != want:
+        state = tmp / STATE  # gone if another writer pruned this step while we listed it
+        want = json.loads(state.read_text())["files"] if state.is_file() else None
+        if want is None or {k: v for k, v in hash_local_tree(tmp).items() if k != STATE} != want:
             shutil.rmtree(tmp, ignore_errors=True)
             continue  # a corrupted remote checkpoint: fall back to an older one
         final = step_dir(root, _step(name))
