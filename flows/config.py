@@ -258,7 +258,8 @@ class EvalSpec(Spec):
     entropy_thresholds: tuple[float, ...] = Field((0.5, 1.5), description="d3LLM entropy thresholds (nats)")
     vfm_steps: tuple[int, ...] = Field((1, 2, 4), description="VFM refinement steps K")
     untrained_baseline: bool = Field(
-        True, description="Also decode with the untrained student (same base, no adapter)"
+        True,
+        description="Also decode with the untrained student (same base, no adapter) in one forward, like head:k1",
     )
 
 

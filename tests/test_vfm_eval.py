@@ -130,7 +130,7 @@ def test_eval_reports_every_sampler(built):
         "d3llm:ent1",
         "vfm:k1",
         "vfm:k2",
-        "untrained:conf0.9",
+        "untrained:k1",
     }
     ar = doc["samplers"]["ar:greedy"]
     assert ar["tpf"] == 1.0 and ar["token_agreement"] == 1.0  # the teacher agrees with its own greedy output
