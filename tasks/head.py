@@ -19,6 +19,7 @@ from models.teacher import resolve_device
 from stores import checkpoints
 from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
+from stores.uri import Location
 from tasks.concurrency import gpu_slot
 from tasks.interrupt import Stopped, on_sigterm
 from tasks.report import Progress, in_prefect_run
@@ -47,6 +48,17 @@ def workdir(store: ArtifactStore, ref: ArtifactRef) -> Path:
     from tasks.teacher import cache_root
 
     return cache_root() / "work" / ref.stage / ref.key
+
+
+def restore_checkpoints(store: ArtifactStore, ref: ArtifactRef, work: Path) -> Location | None:
+    """On a remote store, bring the newest checkpoint mirrored there into `work/checkpoints` (a retry
+    on another machine resumes from it) and return where checkpoints are mirrored; None on local disk."""
+    remote = checkpoints.remote_root(store, ref)
+    if remote is not None:
+        found = checkpoints.restore(remote, work / "checkpoints")
+        if found is not None:
+            logger().info("%s %s resumes from checkpoint %s", ref.stage, ref.key, found.name)
+    return remote
 
 
 def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
@@ -179,11 +191,7 @@ def head_train(
         device=str(resolve_device(device)),
         workdir=str(work),
     )
-    remote = checkpoints.remote_root(store, ref)
-    if remote is not None:
-        found = checkpoints.restore(remote, work / "checkpoints")
-        if found is not None:
-            logger().info("head %s resumes from checkpoint %s", ref.key, found.name)
+    restore_checkpoints(store, ref, work)  # the trainer mirrors new ones itself
     with gpu_slot():
         result = run_training(job)
     last = checkpoints.latest(work / "checkpoints")

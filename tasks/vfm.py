@@ -20,7 +20,7 @@ from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from stores.keys import artifact_key
 from stores.uri import Location
 from tasks.concurrency import gpu_slot
-from tasks.head import load_student, workdir
+from tasks.head import load_student, restore_checkpoints, workdir
 from tasks.interrupt import StopFlag, Stopped, on_sigterm
 from tasks.report import Progress, in_prefect_run
 from tasks.responses import eos_ids, read_responses
@@ -226,11 +226,7 @@ def vfm_train(
     store = ArtifactStore(store_uri)
     work = workdir(store, ref)
     dev = str(resolve_device(device))
-    remote = checkpoints.remote_root(store, ref)
-    if remote is not None:
-        found = checkpoints.restore(remote, work / "checkpoints")
-        if found is not None:
-            logger().info("vfm %s resumes from checkpoint %s", ref.key, found.name)
+    remote = restore_checkpoints(store, ref, work)
     with gpu_slot():
         result = train_vfm(store, head, responses, spec, train, work, dev, remote=remote)
     if result["stopped"]:
