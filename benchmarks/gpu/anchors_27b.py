@@ -12,8 +12,6 @@ bare_tflops, mfu_vs_bf16_peak, peak_memory_gb.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.shapes import build, device_kind, params, peak_memory_gb, sync  # noqa: E402
+from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 from stores.anchors import write_shard  # noqa: E402
 from tasks.anchors import capture_shard  # noqa: E402
 
@@ -33,20 +31,12 @@ H200_BF16_PEAK = 989e12
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--tiny", action="store_true", help="a tiny model on the CPU (keeps the script from rotting)"
-    )
+    ap = arguments()
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON result")
-    ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    shape = "tiny" if args.tiny else "27b"
-    seq = 64 if args.tiny else args.seq_len
-    device = device_kind(args.tiny)
-    model = build(shape, device)
-    n_params = params(model)
+    run = setup(args)
+    shape, seq, device, model, n_params = run.shape, run.seq, run.device, run.model, run.params
     gen = torch.Generator().manual_seed(0)
     seqs = torch.randint(0, model.config.vocab_size, (args.batch, seq), generator=gen).tolist()
     tokens = args.batch * seq
@@ -93,10 +83,7 @@ def main() -> None:
         "mfu_vs_bf16_peak": round(achieved / H200_BF16_PEAK, 4) if device == "cuda" else None,
         "peak_memory_gb": peak_memory_gb(device),
     }
-    path = Path(args.out) / f"gpu_anchors_{shape}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print("\n".join(f"{k:>22}  {v}" for k, v in result.items()))
+    report("anchors", result, args.out)
 
 
 if __name__ == "__main__":

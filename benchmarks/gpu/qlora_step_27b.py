@@ -11,8 +11,6 @@ seq_len, lora_rank, lora_modules, peak_memory_gb (target <= 24), step_seconds.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu.shapes import build, device_kind, params, peak_memory_gb, sync  # noqa: E402
+from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 from models.losses import masked_diffusion_loss  # noqa: E402
 from models.student import lm_head, make_student, student_hidden  # noqa: E402
 from models.teacher import byte_tokenizer, decoder_layers  # noqa: E402
@@ -59,17 +57,11 @@ def quantize_nf4(model: torch.nn.Module, device: str) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON result")
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap = arguments()
     ap.add_argument("--rank", type=int, default=16)
     args = ap.parse_args()
-    shape = "tiny" if args.tiny else "27b"
-    seq = 64 if args.tiny else args.seq_len
-    device = device_kind(args.tiny)
-    model = build(shape, device)
-    n_params = params(model)
+    run = setup(args)
+    shape, seq, device, model, n_params = run.shape, run.seq, run.device, run.model, run.params
     quantized = quantize_nf4(model, device)
     model.config.quantization_config = {"load_in_4bit": True}  # marks it for peft's k-bit preparation
     model.is_loaded_in_4bit = True
@@ -129,10 +121,7 @@ def main() -> None:
         "loss": round(loss.item(), 4),
         "target_peak_memory_gb": 24,
     }
-    path = Path(args.out) / f"gpu_qlora_{shape}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print("\n".join(f"{k:>22}  {v}" for k, v in result.items()))
+    report("qlora", result, args.out)
 
 
 if __name__ == "__main__":

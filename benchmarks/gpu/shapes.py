@@ -7,6 +7,12 @@ of 128) are our assumption of the released config and are recorded in every resu
 
 from __future__ import annotations
 
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -71,3 +77,44 @@ def peak_memory_gb(device: str) -> float | None:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The options every GPU script takes: --tiny, --out, --seq-len."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny model on the CPU (keeps the script from rotting)"
+    )
+    ap.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parents[1] / "results"),
+        help="folder for the JSON result",
+    )
+    ap.add_argument("--seq-len", type=int, default=1024)
+    return ap
+
+
+@dataclass
+class Setup:
+    shape: str  # "27b" or "tiny"
+    seq: int
+    device: str
+    model: Qwen3_5ForCausalLM
+    params: int
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    """The model and sequence length the parsed `arguments()` ask for, built on the device."""
+    shape = "tiny" if args.tiny else "27b"
+    device = device_kind(args.tiny)
+    model = build(shape, device)
+    return Setup(shape, 64 if args.tiny else args.seq_len, device, model, params(model))
+
+
+def report(name: str, result: dict[str, Any], out: str) -> Path:
+    """Write `<out>/gpu_<name>_<shape>.json` and print the result as a short table."""
+    path = Path(out) / f"gpu_{name}_{result['shape']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print("\n".join(f"{k:>22}  {v}" for k, v in result.items()))
+    return path
