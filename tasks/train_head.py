@@ -32,6 +32,7 @@ from stores import checkpoints
 from stores.anchors import AnchorReader
 from stores.artifacts import ArtifactRef, ArtifactStore
 from tasks import teacher as teacher_stage
+from tasks.interrupt import StopFlag
 from tasks.responses import read_responses
 from tasks.tracking import Tracker
 from tasks.trajectories import read_trajectories
@@ -230,8 +231,8 @@ def train(job: TrainJob) -> dict[str, Any]:
         student.load_extras(extras)
         step = state["step"]
         emit("resume", step=step, checkpoint=last.name)
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))  # this process's main thread
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, lambda *_: stop())  # this process's main thread
     precision = resolve_precision(opts.mixed_precision, accelerator.device)
     tracker = Tracker(
         opts.wandb_project if rank == 0 else None,
@@ -301,14 +302,14 @@ def train(job: TrainJob) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if world > 1:  # every rank stops at the same step, or the others would wait forever
-            flag = torch.tensor([float(stop["flag"])], device=accelerator.device)
+            flag = torch.tensor([float(stop.set)], device=accelerator.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            stop["flag"] = bool(flag.item())
+            stop.set = bool(flag.item())
         history.append({"step": step, **{k: round(v, 6) for k, v in stats.items()}})
         tracker.log({**history[-1], "lr": scheduler.get_last_lr()[0], "lambda": lam}, step)
         if rank == 0 and (step % opts.log_every == 0 or step == spec.steps):
             emit("progress", total=spec.steps, **history[-1], lr=scheduler.get_last_lr()[0])
-        if step % opts.checkpoint_every == 0 or step == spec.steps or stop["flag"] or step == job.stop_after:
+        if step % opts.checkpoint_every == 0 or step == spec.steps or stop.set or step == job.stop_after:
             if rank == 0:
                 cursor = step * spec.grad_accum * world * spec.micro_batch_size
                 checkpoints.publish(
@@ -325,7 +326,7 @@ def train(job: TrainJob) -> dict[str, Any]:
                 )
                 emit("checkpoint", step=step)
             accelerator.wait_for_everyone()
-            if stop["flag"] or step == job.stop_after:
+            if stop.set or step == job.stop_after:
                 emit("stopped", step=step)
                 tracker.finish()
                 return {"step": step, "stopped": True, "history": history}

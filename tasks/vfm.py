@@ -52,9 +52,14 @@ def batch_tensors(rows: list[dict], length: int, eos: int, pad: int) -> dict[str
     return {"ids": ids, "pad": mask, "targets": targets}
 
 
+def lora_parameters(student: Any) -> dict[str, torch.nn.Parameter]:
+    """The student's LoRA parameters by name."""
+    return {n: p for n, p in student.model.named_parameters() if "lora_" in n}
+
+
 def tunable_lora(student: Any) -> dict[str, torch.nn.Parameter]:
     """The student's LoRA parameters, switched to trainable, by name."""
-    lora = {n: p for n, p in student.model.named_parameters() if "lora_" in n}
+    lora = lora_parameters(student)
     if not lora:
         raise ValueError("vfm.tune_lora is set but the head's student has no LoRA parameters")
     for p in lora.values():
@@ -277,5 +282,5 @@ def load_flow_map(store: ArtifactStore, ref: ArtifactRef, head_student: Any, dev
     if not tuned.is_file():
         return head_student
     student, _ = load_student(store, store.ref("head", store.manifest(ref)["upstream"]["head"]), device)
-    apply_lora({n: p for n, p in student.model.named_parameters() if "lora_" in n}, load_file(tuned))
+    apply_lora(lora_parameters(student), load_file(tuned))
     return student
