@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from a2d.models.quant import cosine_stats, dequantize_int8, from_bf16_bits, quantize_int8  # noqa: E402
+from a2d.models.teacher import decoder_layers  # noqa: E402
+from a2d.stores.anchors import write_shard  # noqa: E402
+from a2d.stores.artifacts import hash_local_tree  # noqa: E402
+from a2d.tasks.anchors import capture_shard  # noqa: E402
 from benchmarks.common import teacher, token_batches, write_result  # noqa: E402
-from models.quant import cosine_stats, dequantize_int8, from_bf16_bits, quantize_int8  # noqa: E402
-from models.teacher import decoder_layers  # noqa: E402
-from stores.anchors import write_shard  # noqa: E402
-from stores.artifacts import hash_local_tree  # noqa: E402
-from tasks.anchors import capture_shard  # noqa: E402
 
 
 def bare_forward(model, seqs: list[list[int]], batch: int) -> float:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from models.teacher import build_random_teacher, convert_smollm2, load_teacher
-from stores import bundled
+from a2d.models.teacher import build_random_teacher, convert_smollm2, load_teacher
+from a2d.stores import bundled
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -32,11 +32,11 @@ def one(model_kind: str, quant: str, align: bool | str, batch: int, seq_len: int
     """Runs inside the subprocess: build the student, time `steps` training steps, report memory."""
     import torch
 
+    from a2d.models.capture import capture_layers
+    from a2d.models.losses import alignment_loss, masked_diffusion_loss
+    from a2d.models.student import build_student, lm_head, student_hidden
+    from a2d.models.teacher import decoder_layers
     from benchmarks.common import teacher, token_batches
-    from models.capture import capture_layers
-    from models.losses import alignment_loss, masked_diffusion_loss
-    from models.student import build_student, lm_head, student_hidden
-    from models.teacher import decoder_layers
 
     _, tok = teacher(model_kind)
     path = Path("/tmp/a2d-bench") / model_kind

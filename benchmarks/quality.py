@@ -31,11 +31,11 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--store", default=None)
     args = ap.parse_args()
+    from a2d.flows.pipeline import plan
+    from a2d.specs import load_config
+    from a2d.stores.artifacts import ArtifactStore
+    from a2d.stores.readers import read_metrics
     from benchmarks.common import write_result
-    from flows.config import load_config
-    from flows.pipeline import plan
-    from stores.artifacts import ArtifactStore
-    from tasks.evaluate import read_metrics
 
     cfg = load_config(args.config, [f"store={args.store}"] if args.store else [])
     refs = plan(cfg, "eval")

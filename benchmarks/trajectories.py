@@ -20,11 +20,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from a2d.models.trajectory import snapshot_json_bytes  # noqa: E402
+from a2d.specs import load_config  # noqa: E402
+from a2d.stores.artifacts import ArtifactStore  # noqa: E402
+from a2d.stores.readers import read_trajectories  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
-from flows.config import load_config  # noqa: E402
-from models.trajectory import snapshot_json_bytes  # noqa: E402
-from stores.artifacts import ArtifactStore  # noqa: E402
-from tasks.trajectories import read_trajectories  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=32)
     args = ap.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.pipeline import pipeline
+    from a2d.flows.pipeline import pipeline
 
     store = tempfile.mkdtemp(prefix="a2d-bench-traj-")
     cfg = load_config(

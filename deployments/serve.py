@@ -1,7 +1,7 @@
 """`a2d serve`: one Prefect deployment per stage flow, the pipeline and regenerate-data, served locally.
 
 Every deployment's default parameters come from one config, so a run started from the UI without
-edits runs that config. The stage flows are found from `flows.pipeline.STEPS` (the flow named
+edits runs that config. The stage flows are found from `a2d.flows.pipeline.STEPS` (the flow named
 after each stage), so a stage added there is served without touching this file; only whether it
 needs a GPU is declared here (`GPU_FLOWS`), and a test checks that against the `gpu` tags of the
 stage's tasks.
@@ -28,8 +28,8 @@ from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
-from flows.config import PipelineConfig, load_config
-from tasks.concurrency import GPU_LIMIT, ensure_limit
+from a2d.specs import PipelineConfig, load_config
+from a2d.tasks.concurrency import GPU_LIMIT, ensure_limit
 
 log = logging.getLogger("a2d.serve")
 
@@ -38,8 +38,8 @@ GPU_FLOWS = frozenset({"responses", "anchors", "head", "vfm", "eval", "pipeline"
 
 # Flows served besides one per stage: (flow name, module, attribute).
 EXTRA_FLOWS = (
-    ("pipeline", "flows.pipeline", "pipeline"),
-    ("regenerate-data", "flows.regenerate", "regenerate_data"),
+    ("pipeline", "a2d.flows.pipeline", "pipeline"),
+    ("regenerate-data", "a2d.flows.regenerate", "regenerate_data"),
 )
 
 NO_SERVER = (
@@ -60,8 +60,8 @@ class Served:
 
     @property
     def entrypoint(self) -> str:
-        """The `prefect.yaml` form: `flows/anchors.py:anchors_flow`."""
-        return f"{self.module.replace('.', '/')}.py:{self.attr}"
+        """The `prefect.yaml` form, a module path: `a2d.flows.anchors.anchors_flow`."""
+        return f"{self.module}.{self.attr}"
 
     @property
     def gpu(self) -> bool:
@@ -80,11 +80,11 @@ def registry() -> list[Served]:
     A stage's flow is the one named after the stage among the flows `flows/pipeline.py` imports,
     wherever it lives (`flows/evaluate.py:eval_flow` serves the `eval` stage).
     """
-    import flows.pipeline
+    import a2d.flows.pipeline
 
-    chained = {obj.name: obj for obj in vars(flows.pipeline).values() if isinstance(obj, Flow)}
+    chained = {obj.name: obj for obj in vars(a2d.flows.pipeline).values() if isinstance(obj, Flow)}
     stages = []
-    for stage in flows.pipeline.STEPS:
+    for stage in a2d.flows.pipeline.STEPS:
         if stage not in chained:
             raise LookupError(f"stage {stage!r} has no flow named {stage!r} imported in flows/pipeline.py")
         fn = chained[stage].fn
@@ -94,14 +94,9 @@ def registry() -> list[Served]:
 
 def planned_refs(config: PipelineConfig) -> dict[str, Any]:
     """Every stage's `ArtifactRef` under `config`, from specs alone (nothing runs)."""
-    from flows.pipeline import STEPS
-    from stores.artifacts import ArtifactStore
+    from a2d.flows.pipeline import plan
 
-    store = ArtifactStore(config.store)
-    refs: dict[str, Any] = {}
-    for stage, step in STEPS.items():
-        refs[stage] = step.ref(store, config, refs)
-    return refs
+    return plan(config)
 
 
 def default_parameters(flow: Flow, stage: str, config: PipelineConfig) -> dict[str, Any]:
@@ -141,7 +136,7 @@ def default_parameters(flow: Flow, stage: str, config: PipelineConfig) -> dict[s
 
 def absolute_store(config: PipelineConfig) -> PipelineConfig:
     """A local relative store is resolved now, so runs write where `a2d serve` was started."""
-    from stores.uri import normalise_uri
+    from a2d.stores.uri import normalise_uri
 
     return config.model_copy(update={"store": normalise_uri(config.store).removeprefix("file://")})
 

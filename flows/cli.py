@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from flows.config import STAGES, ConfigError, load_config
+from a2d.specs import STAGES, ConfigError, load_config
 
 DEFAULT_STORE = "./a2d-store"
 
@@ -38,7 +38,7 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.pipeline import plan, stages_until
+    from a2d.flows.pipeline import plan, stages_until
 
     overrides = list(args.set or [])
     if args.store:
@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     # The store decides reuse: when every artifact is already complete, no flow (and no
     # Prefect server) needs to start at all.
-    from stores.artifacts import ArtifactStore
+    from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(config.store)
     refs = plan(config, until)
@@ -62,14 +62,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         for stage, ref in refs.items():
             print(f"reuse {stage:<12} {ref.key}  (complete at {ref.uri})")
     else:
-        from flows.pipeline import pipeline
+        from a2d.flows.pipeline import pipeline
 
         refs = pipeline(config, until)
     rows = [store.describe(r) | {"size": _human(store.describe(r)["bytes"])} for r in refs.values()]
     print(_table(rows, ["stage", "key", "complete", "rows", "tokens", "size"]))
     print(f"done in {time.perf_counter() - start:.1f} s; store {store.root.uri}")
     if "eval" in refs:
-        from tasks.evaluate import print_table
+        from a2d.tasks.evaluate import print_table
 
         print("\neval (held-out prompts):")
         print(print_table(store, refs["eval"]))
@@ -77,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from stores.artifacts import ArtifactStore
+    from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
     rows = [store.describe(r) for r in store.iter_refs(args.stage)]
@@ -94,7 +94,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from stores.artifacts import ArtifactStore
+    from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
     ref = store.find(args.key)
@@ -122,7 +122,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _sample_rows(store: Any, ref: Any, n: int) -> list[dict[str, Any]]:
     """A few rows of the first finished Parquet shard, token lists shortened."""
-    from stores.parquet import read_shard
+    from a2d.stores.parquet import read_shard
 
     for name in sorted(store.loc(ref).listdir()):
         if name.endswith(".parquet"):
@@ -138,7 +138,7 @@ def _sample_rows(store: Any, ref: Any, n: int) -> list[dict[str, Any]]:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from stores.artifacts import ArtifactStore
+    from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
     refs = [store.find(args.key)] if args.key else list(store.iter_refs())
@@ -158,7 +158,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deployments.serve import serve
+    from a2d.deployments.serve import serve
 
     overrides = list(args.set or [])
     if args.store:

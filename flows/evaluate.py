@@ -5,14 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import EvalSpec, RunOptions
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import evaluate as stage
-from tasks.stage import run_sharded
-
-
-def eval_ref(store: ArtifactStore, spec: EvalSpec, refs: dict[str, ArtifactRef]) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec, {k: v.key for k, v in refs.items()}))
+from a2d.flows.stage import run_sharded
+from a2d.specs import EvalSpec, RunOptions
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import evaluate as stage
 
 
 @flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
@@ -28,16 +24,13 @@ def eval_flow(
     """Speed and quality of every sampler; metrics.json, a speed/quality plot and a Markdown report."""
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm}
-    ref = eval_ref(st, spec, refs)
     return run_sharded(
         st,
-        ref,
-        spec,
-        {k: v.key for k, v in refs.items()},
+        stage.key_inputs(spec, {k: v.key for k, v in refs.items()}),
         [stage.SHARD],
         stage.eval_run,
-        lambda shard: dict(store_uri=store, ref=ref, spec=spec, refs=refs, device=opts.device),
-        workers=1,
-        verify_reuse=opts.verify_reuse,
-        metrics=stage.summarise,
+        lambda ref, shard: dict(store_uri=st.root.uri, ref=ref, spec=spec, refs=refs, device=opts.device),
+        opts,
+        stage.summarise,
+        fan_out=False,
     )

@@ -5,20 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import HeadSpec, RunOptions, TeacherSpec, TrainOptions
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import head as stage
-from tasks.stage import run_sharded
-
-
-def head_ref(
-    store: ArtifactStore,
-    spec: HeadSpec,
-    teacher: ArtifactRef,
-    anchors: ArtifactRef,
-    trajectories: ArtifactRef,
-) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec, teacher.key, anchors.key, trajectories.key))
+from a2d.flows.stage import run_sharded
+from a2d.specs import HeadSpec, RunOptions, TeacherSpec, TrainOptions
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import head as stage
 
 
 @flow(name="head", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
@@ -35,17 +25,13 @@ def head_flow(
 ) -> ArtifactRef:
     """Masked-diffusion + trajectory curriculum + anchor alignment; publishes a PEFT adapter."""
     st = ArtifactStore(store)
-    ref = head_ref(st, spec, teacher, anchors, trajectories)
-    upstream = {"teacher": teacher.key, "anchors": anchors.key, "trajectories": trajectories.key}
     return run_sharded(
         st,
-        ref,
-        spec,
-        upstream,
+        stage.key_inputs(spec, teacher.key, anchors.key, trajectories.key),
         [stage.SHARD],
         stage.head_train,
-        lambda shard: dict(
-            store_uri=store,
+        lambda ref, shard: dict(
+            store_uri=st.root.uri,
             ref=ref,
             spec=spec,
             train=train,
@@ -56,7 +42,7 @@ def head_flow(
             trajectories=trajectories,
             device=opts.device,
         ),
-        workers=1,
-        verify_reuse=opts.verify_reuse,
-        metrics=stage.summarise,
+        opts,
+        stage.summarise,
+        fan_out=False,
     )

@@ -8,16 +8,18 @@ from typing import Literal
 
 from prefect import flow
 
-from flows.anchors import anchors_flow, anchors_ref
-from flows.config import STAGES, PipelineConfig
-from flows.evaluate import eval_flow, eval_ref
-from flows.head import head_flow, head_ref
-from flows.prompts import prompts_flow, prompts_ref
-from flows.responses import responses_flow, responses_ref
-from flows.teacher import teacher_flow, teacher_ref
-from flows.trajectories import trajectories_flow, trajectories_ref
-from flows.vfm import vfm_flow, vfm_ref
-from stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.flows.anchors import anchors_flow
+from a2d.flows.evaluate import eval_flow
+from a2d.flows.head import head_flow
+from a2d.flows.prompts import prompts_flow
+from a2d.flows.responses import responses_flow
+from a2d.flows.teacher import teacher_flow
+from a2d.flows.trajectories import trajectories_flow
+from a2d.flows.vfm import vfm_flow
+from a2d.specs import STAGES, PipelineConfig
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.stores.keys import KeyInputs
+from a2d.tasks import anchors, evaluate, head, prompts, responses, teacher, trajectories, vfm
 
 StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval"]
 Refs = dict[str, ArtifactRef]
@@ -25,35 +27,39 @@ Refs = dict[str, ArtifactRef]
 
 @dataclass(frozen=True)
 class Step:
-    """One stage: how to name its artifact without running it, and how to run it."""
+    """One stage: its key inputs from the config and upstream refs (nothing runs), and how to run it.
 
-    ref: Callable[[ArtifactStore, PipelineConfig, Refs], ArtifactRef]
+    `inputs` calls the same `a2d.tasks.<stage>.key_inputs` the stage's flow calls, so the planned
+    artifact and the built one are the same.
+    """
+
+    inputs: Callable[[PipelineConfig, Refs], KeyInputs]
     run: Callable[[PipelineConfig, Refs], ArtifactRef]
 
 
 STEPS: dict[str, Step] = {
     "teacher": Step(
-        lambda st, c, r: teacher_ref(st, c.teacher),
+        lambda c, r: teacher.key_inputs(c.teacher),
         lambda c, r: teacher_flow(c.teacher, c.store, c.run),
     ),
     "prompts": Step(
-        lambda st, c, r: prompts_ref(st, c.prompts, r["teacher"]),
+        lambda c, r: prompts.key_inputs(c.prompts, r["teacher"].key),
         lambda c, r: prompts_flow(r["teacher"], c.prompts, c.teacher, c.store, c.run),
     ),
     "responses": Step(
-        lambda st, c, r: responses_ref(st, c.responses, c.teacher, r["prompts"], r["teacher"]),
+        lambda c, r: responses.key_inputs(c.responses, c.teacher.load, r["prompts"].key, r["teacher"].key),
         lambda c, r: responses_flow(r["prompts"], r["teacher"], c.responses, c.teacher, c.store, c.run),
     ),
     "anchors": Step(
-        lambda st, c, r: anchors_ref(st, c.anchors, c.teacher, r["responses"], r["teacher"]),
+        lambda c, r: anchors.key_inputs(c.anchors, c.teacher.load, r["responses"].key, r["teacher"].key),
         lambda c, r: anchors_flow(r["responses"], r["teacher"], c.anchors, c.teacher, c.store, c.run),
     ),
     "trajectories": Step(
-        lambda st, c, r: trajectories_ref(st, c.trajectories, r["responses"], r["anchors"]),
+        lambda c, r: trajectories.key_inputs(c.trajectories, r["responses"].key, r["anchors"].key),
         lambda c, r: trajectories_flow(r["responses"], r["anchors"], c.trajectories, c.store, c.run),
     ),
     "head": Step(
-        lambda st, c, r: head_ref(st, c.head, r["teacher"], r["anchors"], r["trajectories"]),
+        lambda c, r: head.key_inputs(c.head, r["teacher"].key, r["anchors"].key, r["trajectories"].key),
         lambda c, r: head_flow(
             r["teacher"],
             r["responses"],
@@ -67,11 +73,13 @@ STEPS: dict[str, Step] = {
         ),
     ),
     "vfm": Step(
-        lambda st, c, r: vfm_ref(st, c.vfm, r["head"], r["responses"]),
+        lambda c, r: vfm.key_inputs(c.vfm, r["head"].key, r["responses"].key),
         lambda c, r: vfm_flow(r["head"], r["responses"], c.vfm, c.train, c.store, c.run),
     ),
     "eval": Step(
-        lambda st, c, r: eval_ref(st, c.eval, {k: r[k] for k in ("teacher", "responses", "head", "vfm")}),
+        lambda c, r: evaluate.key_inputs(
+            c.eval, {k: r[k].key for k in ("teacher", "responses", "head", "vfm")}
+        ),
         lambda c, r: eval_flow(r["teacher"], r["responses"], r["head"], r["vfm"], c.eval, c.store, c.run),
     ),
 }
@@ -88,7 +96,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
     store = ArtifactStore(config.store)
     refs: Refs = {}
     for stage in stages_until(until):
-        refs[stage] = STEPS[stage].ref(store, config, refs)
+        refs[stage] = store.ref_for(STEPS[stage].inputs(config, refs))
     return refs
 
 

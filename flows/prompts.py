@@ -5,14 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import PromptSpec, RunOptions, TeacherSpec
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import prompts as stage
-from tasks.stage import run_sharded
-
-
-def prompts_ref(store: ArtifactStore, spec: PromptSpec, teacher: ArtifactRef) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec, teacher.key))
+from a2d.flows.stage import run_sharded
+from a2d.specs import PromptSpec, RunOptions, TeacherSpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import prompts as stage
 
 
 @flow(name="prompts", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
@@ -25,22 +21,14 @@ def prompts_flow(
 ) -> ArtifactRef:
     """Tokenise prompts with the teacher's tokenizer; every rejected row is counted by reason."""
     st = ArtifactStore(store)
-    ref = prompts_ref(st, spec, teacher)
-    shards = [] if st.is_complete(ref) else stage.shard_names(spec)
-    key_spec = {**spec.model_dump(mode="json"), **stage.source_identity(spec)}
     return run_sharded(
         st,
-        ref,
-        key_spec,
-        {"teacher": teacher.key},
-        shards,
+        stage.key_inputs(spec, teacher.key),
+        lambda: stage.shard_names(spec),
         stage.prompts_shard,
-        lambda shard: dict(
-            store_uri=store, ref=ref, shard=shard, spec=spec, teacher=teacher, teacher_spec=teacher_spec
+        lambda ref, shard: dict(
+            store_uri=st.root.uri, ref=ref, shard=shard, spec=spec, teacher=teacher, teacher_spec=teacher_spec
         ),
-        workers=opts.workers,
-        verify_reuse=opts.verify_reuse,
-        runner=opts.runner,
-        dask_address=opts.dask_address,
-        metrics=stage.summarise,
+        opts,
+        stage.summarise,
     )

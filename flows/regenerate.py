@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig
-from flows.pipeline import STEPS, Refs
-from stores.artifacts import ArtifactStore, Timer
-from tasks.report import in_prefect_run
-from tasks.stage import logger
+from a2d.flows.pipeline import STEPS, Refs
+from a2d.specs import PipelineConfig
+from a2d.stores.artifacts import ArtifactStore, Timer
+from a2d.tasks.runtime import in_prefect_run, logger
 
 # The stages that make training data; the teacher comes first because they all hang off its key.
 DATA_STAGES = ("prompts", "responses", "anchors", "trajectories")
@@ -72,7 +71,7 @@ def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
     for stage in ("teacher", *DATA_STAGES):
         step = STEPS[stage]
         # Decided before the stage runs: a complete manifest means the stage only re-verifies it.
-        reused = store.is_complete(step.ref(store, config, refs))
+        reused = store.is_complete(store.ref_for(step.inputs(config, refs)))
         timer = Timer()
         refs[stage] = step.run(config, refs)
         outcomes.append(Outcome(stage, refs[stage].key, reused, timer.seconds))

@@ -5,20 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import ResponseSpec, RunOptions, TeacherSpec
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import responses as stage
-from tasks.stage import run_sharded
-
-
-def responses_ref(
-    store: ArtifactStore,
-    spec: ResponseSpec,
-    teacher_spec: TeacherSpec,
-    prompts: ArtifactRef,
-    teacher: ArtifactRef,
-) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec, teacher_spec.load, prompts.key, teacher.key))
+from a2d.flows.stage import run_sharded
+from a2d.specs import ResponseSpec, RunOptions, TeacherSpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import responses as stage
 
 
 @flow(name="responses", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
@@ -32,17 +22,13 @@ def responses_flow(
 ) -> ArtifactRef:
     """Greedy (or seeded sampled) teacher generation with the KV cache, or the dataset's responses."""
     st = ArtifactStore(store)
-    ref = responses_ref(st, spec, teacher_spec, prompts, teacher)
-    shards = list(st.manifest(prompts)["shards"])
     return run_sharded(
         st,
-        ref,
-        stage.key_spec(spec, teacher_spec.load),
-        {"prompts": prompts.key, "teacher": teacher.key},
-        shards,
+        stage.key_inputs(spec, teacher_spec.load, prompts.key, teacher.key),
+        lambda: list(st.manifest(prompts)["shards"]),
         stage.responses_shard,
-        lambda shard: dict(
-            store_uri=store,
+        lambda ref, shard: dict(
+            store_uri=st.root.uri,
             ref=ref,
             shard=shard,
             spec=spec,
@@ -51,9 +37,6 @@ def responses_flow(
             teacher_spec=teacher_spec,
             opts=opts,
         ),
-        workers=opts.workers,
-        verify_reuse=opts.verify_reuse,
-        runner=opts.runner,
-        dask_address=opts.dask_address,
-        metrics=stage.summarise,
+        opts,
+        stage.summarise,
     )

@@ -5,14 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import RunOptions, TeacherSpec
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import teacher as stage
-from tasks.stage import run_sharded
-
-
-def teacher_ref(store: ArtifactStore, spec: TeacherSpec) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec))
+from a2d.flows.stage import run_sharded
+from a2d.specs import RunOptions, TeacherSpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import teacher as stage
 
 
 @flow(name="teacher", task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=True)
@@ -21,16 +17,13 @@ def teacher_flow(
 ) -> ArtifactRef:
     """Build or convert the teacher into `{store}/teacher/{key}/model` (reused when complete)."""
     st = ArtifactStore(store)
-    ref = teacher_ref(st, spec)
     return run_sharded(
         st,
-        ref,
-        {**spec.key_fields(), **stage.source_identity(spec)},
-        {},
+        stage.key_inputs(spec),
         [stage.SHARD],
         stage.materialise,
-        lambda shard: {"store_uri": store, "ref": ref, "spec": spec},
-        workers=1,
-        verify_reuse=opts.verify_reuse,
-        metrics=lambda markers: {"architecture": markers[stage.SHARD]["architecture"]},
+        lambda ref, shard: {"store_uri": st.root.uri, "ref": ref, "spec": spec},
+        opts,
+        lambda markers: {"architecture": markers[stage.SHARD]["architecture"]},
+        fan_out=False,
     )

@@ -5,16 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import RunOptions, TrajectorySpec
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import trajectories as stage
-from tasks.stage import run_sharded
-
-
-def trajectories_ref(
-    store: ArtifactStore, spec: TrajectorySpec, responses: ArtifactRef, anchors: ArtifactRef
-) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec, responses.key, anchors.key))
+from a2d.flows.stage import run_sharded
+from a2d.specs import RunOptions, TrajectorySpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import trajectories as stage
 
 
 @flow(name="trajectories", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
@@ -27,21 +21,14 @@ def trajectories_flow(
 ) -> ArtifactRef:
     """One record per sample: the step at which each response position is committed."""
     st = ArtifactStore(store)
-    ref = trajectories_ref(st, spec, responses, anchors)
-    shards = list(st.manifest(responses)["shards"])
     return run_sharded(
         st,
-        ref,
-        stage.key_spec(spec),
-        {"responses": responses.key, "anchors": anchors.key},
-        shards,
+        stage.key_inputs(spec, responses.key, anchors.key),
+        lambda: list(st.manifest(responses)["shards"]),
         stage.trajectories_shard,
-        lambda shard: dict(
-            store_uri=store, ref=ref, shard=shard, spec=spec, responses=responses, anchors=anchors
+        lambda ref, shard: dict(
+            store_uri=st.root.uri, ref=ref, shard=shard, spec=spec, responses=responses, anchors=anchors
         ),
-        workers=opts.workers,
-        verify_reuse=opts.verify_reuse,
-        runner=opts.runner,
-        dask_address=opts.dask_address,
-        metrics=stage.summarise,
+        opts,
+        stage.summarise,
     )

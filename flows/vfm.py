@@ -5,14 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import RunOptions, TrainOptions, VFMSpec
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import vfm as stage
-from tasks.stage import run_sharded
-
-
-def vfm_ref(store: ArtifactStore, spec: VFMSpec, head: ArtifactRef, responses: ArtifactRef) -> ArtifactRef:
-    return store.ref(stage.STAGE, stage.key_for(spec, head.key, responses.key))
+from a2d.flows.stage import run_sharded
+from a2d.specs import RunOptions, TrainOptions, VFMSpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import vfm as stage
 
 
 @flow(name="vfm", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
@@ -26,16 +22,13 @@ def vfm_flow(
 ) -> ArtifactRef:
     """Noise adapter q_φ(z | prompt) trained so the frozen student decodes the teacher's response in one step."""
     st = ArtifactStore(store)
-    ref = vfm_ref(st, spec, head, responses)
     return run_sharded(
         st,
-        ref,
-        spec,
-        {"head": head.key, "responses": responses.key},
+        stage.key_inputs(spec, head.key, responses.key),
         [stage.SHARD],
         stage.vfm_train,
-        lambda shard: dict(
-            store_uri=store,
+        lambda ref, shard: dict(
+            store_uri=st.root.uri,
             ref=ref,
             spec=spec,
             train=train,
@@ -43,7 +36,7 @@ def vfm_flow(
             responses=responses,
             device=opts.device,
         ),
-        workers=1,
-        verify_reuse=opts.verify_reuse,
-        metrics=stage.summarise,
+        opts,
+        stage.summarise,
+        fan_out=False,
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from models.teacher import decoder_layers
+from a2d.models.teacher import decoder_layers
 
 OnLayer = Callable[[int, torch.Tensor], None]  # (layer index, hidden (B, T, H))
 

@@ -60,3 +60,16 @@ def generate_batch(
             responses.append(row[: cut + 1])
             reasons.append("eos")
     return Generated(responses, reasons, forwards=len(new[0]) if new else 0)
+
+
+def eos_ids(model: torch.nn.Module, tok) -> list[int]:
+    """Every token id that ends a response: the generation config's EOS ids plus the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config else None
+    ids = (
+        list(ids) if isinstance(ids, list) else [ids] if ids is not None else []
+    )  # a copy: never edit the config
+    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
+        ids.append(tok.eos_token_id)
+    if not ids:
+        raise ValueError("the teacher has no EOS token: set eos_token_id in its generation_config")
+    return ids

@@ -14,7 +14,7 @@ from matplotlib import rcParams
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from models.metrics import group_families
+from a2d.models.metrics import group_families
 
 NONE_MARK = "—"
 

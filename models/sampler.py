@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.student import Student, lm_head, student_hidden
+from a2d.models.student import Student, lm_head, student_hidden
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.teacher import decoder_layers
+from a2d.models.teacher import decoder_layers
 
 log = logging.getLogger("a2d")
 
@@ -193,7 +193,7 @@ def build_student(
     NF4 on a device bitsandbytes cannot serve falls back to the unquantized base (bf16 when the
     compute dtype is bf16), with the reason kept in `info.fallback` and logged.
     """
-    from models.teacher import load_teacher, resolve_device
+    from a2d.models.teacher import load_teacher, resolve_device
 
     fallback = nf4_unavailable(resolve_device(device)) if quantization == "nf4" else None
     if fallback is not None:
@@ -240,7 +240,7 @@ def make_student(
     """Teacher weights + LoRA on every projection + mask embedding, ready to train (or load an adapter)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
-    from models.teacher import disable_cpu_nf4_packing
+    from a2d.models.teacher import disable_cpu_nf4_packing
 
     disable_cpu_nf4_packing(model, everywhere=True)
     mask_id, _ = mask_token_id(tok, model)
@@ -300,3 +300,21 @@ def student_hidden(
 
 def lm_head(student: Student) -> nn.Module:
     return student.model.get_base_model().get_output_embeddings()
+
+
+def lora_parameters(student: Student) -> dict[str, torch.nn.Parameter]:
+    """The student's LoRA parameters by name."""
+    return {n: p for n, p in student.model.named_parameters() if "lora_" in n}
+
+
+def apply_lora(lora: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved LoRA tensors into the student's parameters; the names must match exactly."""
+    if set(tensors) != set(lora):
+        missing, extra = sorted(set(lora) - set(tensors))[:3], sorted(set(tensors) - set(lora))[:3]
+        raise ValueError(
+            f"saved LoRA tensors do not fit this student (missing {missing}, unexpected {extra}); "
+            "they were trained on another head: rerun the stage that saved them"
+        )
+    with torch.no_grad():
+        for name, t in tensors.items():
+            lora[name].copy_(t.to(lora[name].device, lora[name].dtype))

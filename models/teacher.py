@@ -6,7 +6,6 @@ No Prefect and no fsspec here: every function takes and returns local paths and 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 from pathlib import Path
@@ -27,8 +26,6 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from stores.keys import sha256_file
-
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +33,6 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BYTE_SPECIALS = ("<|pad|>", "<|im_start|>", "<|im_end|>")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -165,19 +161,6 @@ def save_teacher(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-
-
-def local_dir_hash(path: Path) -> str:
-    """Content hash of a local checkpoint directory (every file, by relative path)."""
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(
-            f"teacher.path {path} is not a model directory: it must hold config.json and weights"
-        )
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file() and not p.name.startswith("."):
-            h.update(f"{p.relative_to(path).as_posix()}\0{sha256_file(p)}\n".encode())
-    return h.hexdigest()
 
 
 def resolve_device(device: str) -> torch.device:

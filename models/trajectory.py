@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 INT16_MAX = int(np.iinfo(np.int16).max)
-FALLBACK_REASONS = ("missing", "sample_id_mismatch", "length_mismatch", "ids_mismatch")
 
 
 def confidence_trajectory(

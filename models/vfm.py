@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.student import Student, attention_mask, lm_head
+from a2d.models.student import Student, attention_mask, lm_head
 
 
 class NoiseAdapter(nn.Module):

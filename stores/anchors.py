@@ -28,9 +28,9 @@ import torch
 import zarr
 from zarr.codecs import ZstdCodec
 
-from models.quant import Int8Block, dequantize_int8, from_bf16_bits
-from stores.artifacts import ArtifactRef, ArtifactStore
-from stores.uri import Location
+from a2d.models.quant import Int8Block, dequantize_int8, from_bf16_bits
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.stores.uri import Location
 
 CHUNK_BYTES = 1 << 21  # ~2 MiB chunks: smaller ones are slow in zarr
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from stores.keys import canonical, sha256_file, sha256_stream, sha256_tree
-from stores.uri import Location
+from a2d.stores.keys import KeyInputs, canonical, sha256_file, sha256_stream, sha256_tree
+from a2d.stores.uri import Location
 
 MANIFEST = "manifest.json"
 PLAN = "_plan.json"
@@ -67,6 +67,11 @@ def git_revision() -> str | None:
         return None
 
 
+def cache_root() -> Path:
+    """Local cache for copies of remote artifacts and remote stores' training work ($A2D_CACHE)."""
+    return Path(os.environ.get("A2D_CACHE", Path.home() / ".cache" / "a2d"))
+
+
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -92,6 +97,10 @@ class ArtifactStore:
     # -- addressing ---------------------------------------------------------------------------------
     def ref(self, stage: str, key: str) -> ArtifactRef:
         return ArtifactRef(stage=stage, key=key, uri=self.root.join(stage, key).uri)
+
+    def ref_for(self, inputs: KeyInputs) -> ArtifactRef:
+        """The artifact a stage's key inputs name."""
+        return self.ref(inputs.stage, inputs.key)
 
     def loc(self, ref: ArtifactRef) -> Location:
         return self.root.join(ref.stage, ref.key)
@@ -131,14 +140,17 @@ class ArtifactStore:
         loc = self.loc(ref)
         return loc.read_json(PLAN) if loc.exists(PLAN) else None
 
-    def write_plan(self, ref: ArtifactRef, spec: Any, upstream: Mapping[str, str], shards: list[str]) -> None:
+    def write_plan(self, ref: ArtifactRef, inputs: KeyInputs, shards: list[str]) -> None:
         """Record what this artifact will hold before any shard is written (shown by `a2d ls`)."""
+        if inputs.key != ref.key or inputs.stage != ref.stage:
+            raise ValueError(f"key inputs of {inputs.stage}/{inputs.key} do not name {ref.stage}/{ref.key}")
         existing = self.plan(ref)
         plan = {
             "stage": ref.stage,
             "key": ref.key,
-            "spec": canonical(spec),
-            "upstream": dict(upstream),
+            "format_version": inputs.format_version,
+            "spec": canonical(inputs.payload),
+            "upstream": dict(inputs.upstream),
             "shards": shards,
             "created": existing["created"] if existing else now_iso(),
         }
@@ -239,6 +251,7 @@ class ArtifactStore:
         manifest = {
             "stage": ref.stage,
             "key": ref.key,
+            "format_version": plan.get("format_version"),
             "spec": plan["spec"],
             "upstream": plan["upstream"],
             "package_version": package_version(),

@@ -26,9 +26,6 @@ KINDS: tuple[str, ...] = (
     "sequence",
 )
 
-# Every kind except sorting has a single number as its answer.
-_NUMERIC_KINDS = frozenset(KINDS) - {"sorting"}
-
 _NUMBER_SUFFIX = "Answer with just the number."
 _LIST_SUFFIX = "Answer with the numbers separated by commas."
 

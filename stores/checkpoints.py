@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.uri import Location
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.uri import Location
 
 STATE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from pydantic import BaseModel
@@ -40,8 +43,20 @@ def artifact_key(stage: str, format_version: int, spec: Any, upstream: Mapping[s
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:KEY_CHARS]
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+@dataclass(frozen=True)
+class KeyInputs:
+    """Everything an artifact key is made of. Each stage builds these in one function; the key,
+    the recorded plan and the manifest all come from the same object, so a manifest's spec and
+    upstream always hash back to its key."""
+
+    stage: str
+    format_version: int
+    payload: Any  # the content-determining spec, canonical JSON-able
+    upstream: Mapping[str, str]  # upstream stage -> key
+
+    @property
+    def key(self) -> str:
+        return artifact_key(self.stage, self.format_version, self.payload, self.upstream)
 
 
 def sha256_stream(f: BinaryIO) -> str:
@@ -62,4 +77,35 @@ def sha256_tree(file_hashes: Mapping[str, str]) -> str:
     h = hashlib.sha256()
     for rel in sorted(file_hashes):
         h.update(f"{rel}\0{file_hashes[rel]}\n".encode())
+    return h.hexdigest()
+
+
+# Content hashes of local inputs, cached per process on (path, size, mtime): one `a2d run` plans,
+# keys and runs a stage several times, and a multi-GB checkpoint or dataset is hashed once.
+_HASHES: dict[tuple, str] = {}
+_HASHES_LOCK = threading.Lock()
+
+
+def _stat(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def sha256_file_cached(path: str | os.PathLike) -> str:
+    """sha256_file, computed again only when the file's size or mtime changed."""
+    p = Path(path).resolve()
+    key = ("file", str(p), _stat(p))
+    with _HASHES_LOCK:
+        if key not in _HASHES:
+            _HASHES[key] = sha256_file(p)
+        return _HASHES[key]
+
+
+def dir_sha256(path: str | os.PathLike) -> str:
+    """Content hash of a local directory: every non-hidden file by relative path, cached like files."""
+    root = Path(path).resolve()
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")]
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.relative_to(root).as_posix()}\0{sha256_file_cached(p)}\n".encode())
     return h.hexdigest()

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stores.uri import Location
+from a2d.stores.uri import Location
 
 TOKENS = pa.list_(pa.int32())
 

@@ -89,8 +89,7 @@ class Location:
 
     @property
     def path(self) -> str:
-        rest = self.uri.split("://", 1)[1]
-        return rest if self.protocol in ("file", "memory") else rest
+        return self.uri.split("://", 1)[1]
 
     @property
     def is_local(self) -> bool:

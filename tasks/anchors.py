@@ -10,34 +10,29 @@ import torch
 from prefect import task
 from tqdm import tqdm
 
-from flows.config import AnchorSpec, LoadSpec, RunOptions, TeacherSpec
-from models.capture import capture_layers, resolve_layers, token_confidence
-from models.quant import bf16_bits, from_bf16_bits, quantize_int8
-from models.teacher import decoder_layers
-from stores import anchors as anchor_store
-from stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
-from stores.keys import artifact_key, sha256_tree
-from stores.parquet import read_shard
-from tasks import teacher as teacher_stage
-from tasks.concurrency import gpu_slot
-from tasks.report import Progress
+from a2d.models.capture import capture_layers, resolve_layers, token_confidence
+from a2d.models.quant import bf16_bits, from_bf16_bits, quantize_int8
+from a2d.models.teacher import decoder_layers
+from a2d.specs import AnchorSpec, LoadSpec, RunOptions, TeacherSpec
+from a2d.stores import anchors as anchor_store
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
+from a2d.stores.keys import KeyInputs, sha256_tree
+from a2d.stores.parquet import read_shard
+from a2d.tasks import teacher as teacher_stage
+from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.report import Progress
 
 STAGE = "anchors"
 FORMAT_VERSION = 1
 
 
-def key_spec(spec: AnchorSpec, load: LoadSpec) -> dict[str, Any]:
+def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> KeyInputs:
+    """The anchors key: what is captured and stored, and how the teacher is loaded for the forward."""
     data = spec.model_dump(mode="json")
     if spec.dtype != "int8":
         data.pop("outlier_channels")
     data["load"] = load.model_dump(mode="json")  # NF4 and bf16 teachers give different anchors
-    return data
-
-
-def key_for(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> str:
-    return artifact_key(
-        STAGE, FORMAT_VERSION, key_spec(spec, load), {"responses": responses_key, "teacher": teacher_key}
-    )
+    return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "teacher": teacher_key})
 
 
 @dataclass

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
-from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import ObjectNotFound
+
+from a2d.tasks.runtime import in_prefect_run
 
 GPU_LIMIT = "gpu"
 
@@ -49,10 +50,6 @@ def ensure_limit(name: str = GPU_LIMIT, slots: int = 1) -> bool:
     return True
 
 
-def _in_run() -> bool:
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
-
-
 @contextmanager
 def gpu_slot(occupy: int = 1, name: str = GPU_LIMIT) -> Iterator[None]:
     """Hold `occupy` slots of the `gpu` limit while the block runs, when the server has that limit.
@@ -60,7 +57,7 @@ def gpu_slot(occupy: int = 1, name: str = GPU_LIMIT) -> Iterator[None]:
     Waits (without a timeout) until a slot is free; the slot is released when the block exits,
     also on an exception. `name` is for tests, which must not touch the real limit.
     """
-    if not _in_run() or not limit_exists(name):
+    if not in_prefect_run() or not limit_exists(name):
         yield
         return
     with concurrency(

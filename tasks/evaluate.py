@@ -10,33 +10,46 @@ from typing import Any
 from prefect import task
 from tqdm import tqdm
 
-from flows.config import EvalSpec
-from models.generate import generate_batch
-from models.metrics import family_aup, summarise_sampler
-from models.report import markdown_report, plot_speed_quality, text_table
-from models.sampler import threshold_decode
-from models.student import build_student
-from models.teacher import resolve_device
-from models.vfm import vfm_generate
-from stores import bundled
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key
-from tasks import teacher as teacher_stage
-from tasks.concurrency import gpu_slot
-from tasks.head import load_student
-from tasks.report import artifact_key as prefect_key
-from tasks.report import in_prefect_run
-from tasks.responses import eos_ids, read_responses
-from tasks.vfm import load_flow_map, load_vfm
+from a2d.models.generate import eos_ids, generate_batch
+from a2d.models.metrics import family_aup, summarise_sampler
+from a2d.models.report import markdown_report, plot_speed_quality, text_table
+from a2d.models.sampler import threshold_decode
+from a2d.models.student import build_student
+from a2d.models.teacher import resolve_device
+from a2d.models.vfm import vfm_generate
+from a2d.specs import EvalSpec
+from a2d.stores import bundled
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.keys import KeyInputs
+from a2d.stores.readers import EVAL_SHARD, read_metrics, read_responses
+from a2d.tasks import teacher as teacher_stage
+from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.report import artifact_key as prefect_key
+from a2d.tasks.runtime import in_prefect_run
+from a2d.tasks.students import load_flow_map, load_student, load_vfm
 
 STAGE = "eval"
-FORMAT_VERSION = 2  # 2: the untrained baseline decodes like head:k1
-SHARD = "report"
+FORMAT_VERSION = 2
+SHARD = EVAL_SHARD
 Decoder = Callable[[list[int]], tuple[list[int], int]]  # prompt -> (tokens, forwards)
 
 
-def key_for(spec: EvalSpec, upstream: dict[str, str]) -> str:
-    return artifact_key(STAGE, FORMAT_VERSION, spec, upstream)
+def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
+    """Every sampler the eval runs, in report order. The list is part of the eval key, so a sampler
+    added here gives a new key without a hand-bumped FORMAT_VERSION."""
+    names = ["ar:greedy", *(f"head:conf{t:g}" for t in spec.thresholds), "head:k1"]
+    names += [f"d3llm:ent{e:g}" for e in spec.entropy_thresholds]
+    if with_vfm:
+        names += [f"vfm:k{k}" for k in spec.vfm_steps]
+    if spec.untrained_baseline:
+        names.append("untrained:k1")
+    return names
+
+
+def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
+    """The eval key: the eval spec, the samplers it runs and every artifact it evaluates."""
+    payload = {**spec.model_dump(mode="json"), "samplers": sampler_names(spec, "vfm" in upstream)}
+    return KeyInputs(STAGE, FORMAT_VERSION, payload, upstream)
 
 
 def correct(text: str, answer: str | None, kind: str | None) -> bool | None:
@@ -118,7 +131,6 @@ def evaluate(
                 dspec["block_size"],
                 shifted,
             )
-    results = {name: run_sampler(name, fn, rows, tok, spec) for name, fn in samplers.items()}
     if spec.untrained_baseline:
         linear = dspec["linear_attention"] if dspec["linear_attention"] != "n/a" else "causal"
         base = build_student(  # same base and attention, fresh LoRA (B = 0) and an untrained mask embedding
@@ -133,7 +145,12 @@ def evaluate(
         )
         # The same one-forward decoder as head:k1, so the speed/quality claim at high TPF compares
         # a trained and an untrained adapter under identical decoding (and costs one forward each).
-        results["untrained:k1"] = run_sampler("untrained", diffusion(base, 0.0, n), rows, tok, spec)
+        samplers["untrained:k1"] = diffusion(base, 0.0, n)
+    if list(samplers) != sampler_names(spec, "vfm" in refs):
+        raise RuntimeError(
+            f"eval built samplers {list(samplers)}, its key names {sampler_names(spec, 'vfm' in refs)}"
+        )
+    results = {name: run_sampler(name, fn, rows, tok, spec) for name, fn in samplers.items()}
     # AUP needs a positive best accuracy; a random tiny teacher answers nothing right, so fall back
     # to agreement with the teacher, and to no AUP at all when even that is zero.
     metric = next(
@@ -193,11 +210,6 @@ def eval_run(
 
 def summarise(markers: dict[str, dict]) -> dict[str, Any]:
     return {"aup": markers[SHARD]["aup"]}
-
-
-def read_metrics(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
-    store.manifest(ref)
-    return json.loads(store.loc(ref).read_bytes(f"{SHARD}/metrics.json"))
 
 
 def print_table(store: ArtifactStore, ref: ArtifactRef) -> str:

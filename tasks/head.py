@@ -14,57 +14,34 @@ from typing import Any
 from prefect import task
 from tqdm import tqdm
 
-from flows.config import HeadSpec, LoadSpec, TeacherSpec, TrainOptions
-from models.teacher import resolve_device
-from stores import checkpoints
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key
-from stores.uri import Location
-from tasks.concurrency import gpu_slot
-from tasks.interrupt import Stopped, on_sigterm
-from tasks.report import Progress, in_prefect_run
-from tasks.stage import logger
-from tasks.train_head import TrainJob
+from a2d.models.teacher import resolve_device
+from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
+from a2d.stores import checkpoints
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.keys import KeyInputs
+from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.interrupt import Stopped, on_sigterm
+from a2d.tasks.report import Progress
+from a2d.tasks.runtime import in_prefect_run, logger
+from a2d.tasks.students import HEAD_SHARD
+from a2d.tasks.train_head import TrainJob
+from a2d.tasks.training import restore_checkpoints, workdir
 
 STAGE = "head"
+SHARD = HEAD_SHARD
 FORMAT_VERSION = 1
-SHARD = "adapter"
 
 
-def key_for(spec: HeadSpec, teacher_key: str, anchors_key: str, trajectories_key: str) -> str:
-    return artifact_key(
-        STAGE,
-        FORMAT_VERSION,
-        spec,
-        {"teacher": teacher_key, "anchors": anchors_key, "trajectories": trajectories_key},
-    )
-
-
-def workdir(store: ArtifactStore, ref: ArtifactRef) -> Path:
-    """Where checkpoints live: inside the artifact on local disk, else in the local cache."""
-    loc = store.loc(ref)
-    if loc.is_local:
-        return loc.local_path()
-    from tasks.teacher import cache_root
-
-    return cache_root() / "work" / ref.stage / ref.key
-
-
-def restore_checkpoints(store: ArtifactStore, ref: ArtifactRef, work: Path) -> Location | None:
-    """On a remote store, bring the newest checkpoint mirrored there into `work/checkpoints` (a retry
-    on another machine resumes from it) and return where checkpoints are mirrored; None on local disk."""
-    remote = checkpoints.remote_root(store, ref)
-    if remote is not None:
-        found = checkpoints.restore(remote, work / "checkpoints")
-        if found is not None:
-            logger().info("%s %s resumes from checkpoint %s", ref.stage, ref.key, found.name)
-    return remote
+def key_inputs(spec: HeadSpec, teacher_key: str, anchors_key: str, trajectories_key: str) -> KeyInputs:
+    """The head key: the whole training spec and the teacher, anchors and trajectories it learns from."""
+    upstream = {"teacher": teacher_key, "anchors": anchors_key, "trajectories": trajectories_key}
+    return KeyInputs(STAGE, FORMAT_VERSION, spec.model_dump(mode="json"), upstream)
 
 
 def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
-    """`python -m tasks.train_head` for one process; `accelerate launch` for several."""
+    """`python -m a2d.tasks.train_head` for one process; `accelerate launch` for several."""
     if train.num_processes * train.num_machines == 1:
-        return [sys.executable, "-m", "tasks.train_head", str(job_path)]
+        return [sys.executable, "-m", "a2d.tasks.train_head", str(job_path)]
     cmd = [
         sys.executable,
         "-m",
@@ -77,7 +54,7 @@ def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
     # --multi_gpu is accelerate's multi-process mode: NCCL on GPUs; without GPUs it runs MULTI_CPU
     # with gloo (its --cpu flag would start a single process).
     cmd.append("--multi_gpu")
-    return [*cmd, "-m", "tasks.train_head", str(job_path)]
+    return [*cmd, "-m", "a2d.tasks.train_head", str(job_path)]
 
 
 def parse_event(line: str) -> tuple[str, str, dict[str, Any]] | None:
@@ -105,19 +82,14 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
     job_path.write_text(job.model_dump_json(indent=2))
     (work / "result.json").unlink(missing_ok=True)  # written by the trainer when it ends
     progress = Progress(job.spec.steps, f"head {job.head.key}")
-    root = Path(__file__).resolve().parents[1]
-    full_env = {
-        **os.environ,
-        **(env or {}),
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
+    # The trainer is the installed `a2d.tasks.train_head`, run in this process's working directory;
+    # the job names the store by its absolute URI, so a relative store cannot resolve elsewhere.
     proc = subprocess.Popen(
         launch_command(job_path, job.train),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=full_env,
-        cwd=str(root),
+        env={**os.environ, **(env or {})},
     )
     assert proc.stdout is not None
     # SIGTERM to this process (pod eviction, Prefect cancellation) is passed on, so the trainer
@@ -179,7 +151,7 @@ def head_train(
     store = ArtifactStore(store_uri)
     work = workdir(store, ref)
     job = TrainJob(
-        store=store_uri,
+        store_uri=store.root.uri,
         head=ref,
         teacher=teacher,
         teacher_spec=teacher_spec,
@@ -237,31 +209,3 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
         "first_loss": m["first_loss"],
         "final_loss": m["final_loss"],
     }
-
-
-def load_student(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu", load: LoadSpec | None = None):
-    """The trained student of a complete head artifact, ready for decoding."""
-    from safetensors.torch import load_file
-
-    from models.student import build_student
-    from tasks import teacher as teacher_stage
-
-    manifest = store.manifest(ref)
-    dspec = manifest["metrics"]["diffusion_spec"]
-    spec = HeadSpec.model_validate(manifest["spec"])
-    teacher_ref = store.ref("teacher", manifest["upstream"]["teacher"])
-    adapter = store.local_copy(ref, SHARD, teacher_stage.cache_root())
-    student = build_student(
-        teacher_stage.local_dir(store, teacher_ref),
-        spec.quantization,
-        spec.dtype,
-        device,
-        {"rank": spec.lora_rank, "alpha": spec.lora_alpha, "dropout": 0.0, "rslora": spec.rslora},
-        spec.attention,
-        spec.linear_attention,
-        spec.block_size,
-        adapter_dir=adapter,
-    )
-    student.load_extras(load_file(adapter / "extras.safetensors"))
-    student.model.eval()
-    return student, dspec

@@ -13,12 +13,12 @@ from typing import Any
 import pyarrow as pa
 from prefect import task
 
-from flows.config import PromptSpec, TeacherSpec
-from stores import bundled
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key
-from stores.parquet import TOKENS, read_shard, write_shard
-from tasks import teacher as teacher_stage
+from a2d.specs import PromptSpec, TeacherSpec
+from a2d.stores import bundled
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.keys import KeyInputs, sha256_file_cached
+from a2d.stores.parquet import TOKENS, write_shard
+from a2d.tasks import teacher as teacher_stage
 
 STAGE = "prompts"
 FORMAT_VERSION = 1
@@ -55,14 +55,15 @@ def validated_files(spec: PromptSpec) -> list[Path]:
 def source_identity(spec: PromptSpec) -> dict[str, Any]:
     """Content hashes of local files, so an edited file gives a new key even under the same name."""
     if spec.source == "files":
-        return {"file_sha256": [hash_local_tree(p)[""] for p in validated_files(spec)]}
+        return {"file_sha256": [sha256_file_cached(p) for p in validated_files(spec)]}
     return {}
 
 
-def key_for(spec: PromptSpec, teacher_key: str) -> str:
+def key_inputs(spec: PromptSpec, teacher_key: str) -> KeyInputs:
+    """The prompts key: the dataset spec, local files by name and content hash, the teacher (its tokenizer)."""
     payload = {**spec.model_dump(mode="json"), **source_identity(spec)}
     payload["files"] = [Path(f).name for f in spec.files]  # the content hash, not the path, matters
-    return artifact_key(STAGE, FORMAT_VERSION, payload, {"teacher": teacher_key})
+    return KeyInputs(STAGE, FORMAT_VERSION, payload, {"teacher": teacher_key})
 
 
 def _clean_text_file(path: Path, tmp: Path) -> tuple[Path, int]:
@@ -221,16 +222,3 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
         "rejected": {r: int(rejected.get(r, 0)) for r in REJECT_REASONS},
         "rejected_total": int(sum(rejected.values())),
     }
-
-
-def read_prompts(store: ArtifactStore, ref: ArtifactRef, split: str | None = None) -> pa.Table:
-    """All prompt rows of a complete prompts artifact, optionally one split."""
-    manifest = store.manifest(ref)
-    loc = store.loc(ref)
-    tables = [read_shard(loc, f"{s}.parquet") for s in manifest["shards"]]
-    table = pa.concat_tables(tables)
-    if split is not None:
-        import pyarrow.compute as pc
-
-        table = table.filter(pc.equal(table["split"], split))
-    return table

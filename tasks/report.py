@@ -5,13 +5,9 @@ from __future__ import annotations
 import re
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
-from prefect.context import FlowRunContext, TaskRunContext
 
-from stores.artifacts import ArtifactRef, ArtifactStore
-
-
-def in_prefect_run() -> bool:
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks.runtime import in_prefect_run
 
 
 def artifact_key(*parts: str) -> str:

@@ -8,14 +8,14 @@ import pyarrow as pa
 from prefect import task
 from tqdm import tqdm
 
-from flows.config import LoadSpec, ResponseSpec, RunOptions, TeacherSpec
-from models.generate import generate_batch
-from stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
-from stores.keys import artifact_key
-from stores.parquet import TOKENS, read_shard, write_shard
-from tasks import teacher as teacher_stage
-from tasks.concurrency import gpu_slot
-from tasks.report import Progress
+from a2d.models.generate import eos_ids, generate_batch
+from a2d.specs import LoadSpec, ResponseSpec, RunOptions, TeacherSpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
+from a2d.stores.keys import KeyInputs
+from a2d.stores.parquet import TOKENS, read_shard, write_shard
+from a2d.tasks import teacher as teacher_stage
+from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.report import Progress
 
 STAGE = "responses"
 FORMAT_VERSION = 1
@@ -33,28 +33,12 @@ SCHEMA = pa.schema(
 )
 
 
-def key_spec(spec: ResponseSpec, load: LoadSpec) -> dict[str, Any]:
-    """The key-determining spec: loading matters only when the teacher generates."""
+def key_inputs(spec: ResponseSpec, load: LoadSpec, prompts_key: str, teacher_key: str) -> KeyInputs:
+    """The responses key: the decoding spec, plus how the teacher is loaded when it generates."""
     data = spec.model_dump(mode="json")
     if spec.source == "teacher":
         data["load"] = load.model_dump(mode="json")
-    return data
-
-
-def key_for(spec: ResponseSpec, load: LoadSpec, prompts_key: str, teacher_key: str) -> str:
-    return artifact_key(
-        STAGE, FORMAT_VERSION, key_spec(spec, load), {"prompts": prompts_key, "teacher": teacher_key}
-    )
-
-
-def eos_ids(model: Any, tok: Any) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config else None
-    ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
-    if not ids:
-        raise ValueError("the teacher has no EOS token: set eos_token_id in its generation_config")
-    return ids
+    return KeyInputs(STAGE, FORMAT_VERSION, data, {"prompts": prompts_key, "teacher": teacher_key})
 
 
 @task(name="responses-shard", task_run_name="responses-{shard}", tags=["gpu"])
@@ -144,9 +128,3 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
         "eos_fraction": round(sum(m["eos"] for m in markers.values()) / max(rows, 1), 4),
         "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
     }
-
-
-def read_responses(store: ArtifactStore, ref: ArtifactRef, shard: str | None = None) -> pa.Table:
-    manifest = store.manifest(ref)
-    shards = [shard] if shard else list(manifest["shards"])
-    return pa.concat_tables([read_shard(store.loc(ref), f"{s}.parquet") for s in shards])

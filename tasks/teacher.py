@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 
-from flows.config import LoadSpec, TeacherSpec
-from models import teacher as tm
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key, sha256_file
+from a2d.models import teacher as tm
+from a2d.specs import LoadSpec, TeacherSpec
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, cache_root, hash_local_tree
+from a2d.stores.keys import KeyInputs, dir_sha256, sha256_file_cached
 
 STAGE = "teacher"
 FORMAT_VERSION = 1
@@ -24,19 +22,19 @@ def source_identity(spec: TeacherSpec) -> dict[str, Any]:
     """What identifies the weights beyond the spec: content hashes of local inputs."""
     if spec.source == "local":
         path = Path(spec.path or "").expanduser()
-        return {"content_sha256": tm.local_dir_hash(path)}
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ValueError(
+                f"teacher.path {path} is not a model directory: it must hold config.json and weights"
+            )
+        return {"content_sha256": dir_sha256(path)}
     if spec.source == "smollm2":
-        return {"gguf": tm.SMOLLM2_GGUF, "gguf_sha256": _gguf_hash(str(tm.smollm2_gguf_path()))}
+        return {"gguf": tm.SMOLLM2_GGUF, "gguf_sha256": sha256_file_cached(tm.smollm2_gguf_path())}
     return {}
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_hash(path: str) -> str:
-    return sha256_file(path)
-
-
-def key_for(spec: TeacherSpec) -> str:
-    return artifact_key(STAGE, FORMAT_VERSION, {**spec.key_fields(), **source_identity(spec)}, {})
+def key_inputs(spec: TeacherSpec) -> KeyInputs:
+    """The teacher key: the source spec and the content hash of local inputs (load options do not count)."""
+    return KeyInputs(STAGE, FORMAT_VERSION, {**spec.key_fields(), **source_identity(spec)}, {})
 
 
 def build(spec: TeacherSpec, out: Path) -> None:
@@ -64,10 +62,6 @@ def materialise(store_uri: str, ref: ArtifactRef, spec: TeacherSpec) -> dict:
 
 
 _LOCAL_LOCK = threading.RLock()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("A2D_CACHE", Path.home() / ".cache" / "a2d"))
 
 
 def local_dir(store: ArtifactStore, ref: ArtifactRef) -> Path:

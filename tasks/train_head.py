@@ -1,6 +1,6 @@
 """Diffusion-head training: a process of its own (launched by the head task, or by `accelerate launch`).
 
-    python -m tasks.train_head JOB.json
+    python -m a2d.tasks.train_head JOB.json
 
 Every source of randomness is a function of (seed, step, global micro-batch index), the data order
 of (seed, epoch), and the checkpoint holds adapter, extras, optimizer, scheduler, RNG, step and data
@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +23,26 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from flows.config import HeadSpec, TeacherSpec, TrainOptions
-from models.capture import capture_layers
-from models.losses import alignment_loss, masked_diffusion_loss
-from models.student import Student, build_student, lm_head, student_hidden
-from models.teacher import autocast, resolve_precision
-from models.trajectory import ViewSampler
-from stores import checkpoints
-from stores.anchors import AnchorReader
-from stores.artifacts import ArtifactRef, ArtifactStore
-from tasks import teacher as teacher_stage
-from tasks.interrupt import StopFlag
-from tasks.responses import read_responses
-from tasks.tracking import Tracker
-from tasks.trajectories import read_trajectories
+from a2d.models.capture import capture_layers
+from a2d.models.losses import alignment_loss, masked_diffusion_loss
+from a2d.models.student import Student, build_student, lm_head, student_hidden
+from a2d.models.teacher import autocast, resolve_precision
+from a2d.models.trajectory import ViewSampler
+from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
+from a2d.stores import checkpoints
+from a2d.stores.anchors import AnchorReader
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.stores.readers import read_responses, read_trajectories
+from a2d.tasks import teacher as teacher_stage
+from a2d.tasks.interrupt import StopFlag
+from a2d.tasks.tracking import Tracker
 
 
 class TrainJob(BaseModel):
     """Everything the training process needs, passed as JSON."""
 
     model_config = ConfigDict(extra="forbid")
-    store: str
+    store_uri: str  # absolute: the training process resolves nothing relative
     head: ArtifactRef
     teacher: ArtifactRef
     teacher_spec: TeacherSpec
@@ -151,9 +151,7 @@ def make_batch(
     return {"targets": ids, "pad": pad, "loss": loss, "comp_loss": comp_loss, "supervised": sup, "t": t}
 
 
-def diffusion_ce(
-    student: Student, batch: dict, loss_mask: torch.Tensor, spec: HeadSpec, device, capture=None
-):
+def diffusion_ce(student: Student, batch: dict, loss_mask: torch.Tensor, spec: HeadSpec, device):
     """One student forward with `loss_mask` positions replaced by the mask token; CE at those positions."""
     ids = batch["targets"].masked_fill(loss_mask, student.info.mask_id).to(device)
     pad = batch["pad"].to(device)
@@ -172,17 +170,47 @@ def diffusion_ce(
     )
 
 
-def train(job: TrainJob) -> dict[str, Any]:
+@dataclass
+class Run:
+    """What every step of one training process uses: built once by `setup`."""
+
+    job: TrainJob
+    accelerator: Any
+    student: Student
+    reader: AnchorReader
+    samples: list[dict]
+    trajs: dict[str, dict]
+    sampler: ViewSampler
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    precision: str
+    ckpt_root: Path
+    remote: Any
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+
+def setup(job: TrainJob) -> Run:
+    """Student, data, optimizer and scheduler for one process; nothing has trained yet."""
     from accelerate import Accelerator
 
     spec, opts = job.spec, job.train
     accelerator = Accelerator(cpu=job.device == "cpu")
-    world, rank = accelerator.num_processes, accelerator.process_index
     torch.manual_seed(spec.seed)
-    store = ArtifactStore(job.store)
-    teacher_dir = teacher_stage.local_dir(store, job.teacher)
+    store = ArtifactStore(job.store_uri)
     student = build_student(
-        teacher_dir,
+        teacher_stage.local_dir(store, job.teacher),
         spec.quantization,
         spec.dtype,
         str(accelerator.device),
@@ -205,7 +233,6 @@ def train(job: TrainJob) -> dict[str, Any]:
         raise ValueError(
             "no training samples: every prompt is in the eval split; lower prompts.eval_fraction"
         )
-    trajs = read_trajectories(store, job.trajectories)
     sampler = ViewSampler(
         spec.seed, spec.steps, spec.r_min_start, spec.r_min_end, spec.r_max, spec.window_sizes
     )
@@ -214,129 +241,186 @@ def train(job: TrainJob) -> dict[str, Any]:
         optimizer = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
     # Nothing goes through accelerator.prepare: the student's forward is called on its inner module
-    # (DDP's hooks would not fire), so gradients are averaged explicitly below, and a prepared
-    # scheduler would step once per process.
-    ckpt_root = Path(job.workdir) / "checkpoints"
-    remote = checkpoints.remote_root(ArtifactStore(job.store), job.head)
-    step = 0
-    last = checkpoints.latest(ckpt_root)
-    if last is not None:
-        state, extras = checkpoints.load(last, optimizer, scheduler)
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+    # (DDP's hooks would not fire), so gradients are averaged explicitly in `train_step`, and a
+    # prepared scheduler would step once per process.
+    return Run(
+        job=job,
+        accelerator=accelerator,
+        student=student,
+        reader=reader,
+        samples=samples,
+        trajs=read_trajectories(store, job.trajectories),
+        sampler=sampler,
+        params=params,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec)),
+        precision=resolve_precision(opts.mixed_precision, accelerator.device),
+        ckpt_root=Path(job.workdir) / "checkpoints",
+        remote=checkpoints.remote_root(store, job.head),
+    )
 
-        set_peft_model_state_dict(student.model, load_file(last / "adapter" / "adapter_model.safetensors"))
-        student.load_extras(extras)
-        step = state["step"]
-        emit("resume", step=step, checkpoint=last.name)
+
+def resume(run: Run) -> int:
+    """Load the newest checkpoint into the run, if any; the step to continue from."""
+    last = checkpoints.latest(run.ckpt_root)
+    if last is None:
+        return 0
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state, extras = checkpoints.load(last, run.optimizer, run.scheduler)
+    set_peft_model_state_dict(run.student.model, load_file(last / "adapter" / "adapter_model.safetensors"))
+    run.student.load_extras(extras)
+    emit("resume", step=state["step"], checkpoint=last.name)
+    return state["step"]
+
+
+def align_term(
+    run: Run, batch_samples: list[dict], batch: dict, chosen: list[int], captured: dict, rng
+) -> torch.Tensor:
+    """1 - cos between the student's captured layers and the teacher's anchors at the same tokens."""
+    spec = run.job.spec
+    anchors = run.reader.batch(
+        [s["sample_id"] for s in batch_samples], chosen, spec.align_token_fraction, rng
+    )
+    s_h, t_h = [], []
+    for b, a in enumerate(anchors):
+        pos = torch.as_tensor(a["positions"], dtype=torch.long)
+        pos_ok = pos < batch["pad"][b].sum()
+        for j, layer in enumerate(chosen):
+            s_h.append(captured[layer][b, pos[pos_ok].to(run.device)])
+            t_h.append(a["hidden"][pos_ok.numpy(), j].to(run.device))
+    return alignment_loss(s_h, t_h)
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One optimizer step over `grad_accum` micro-batches on every rank; the step's mean stats."""
+    spec = run.job.spec
+    lam = spec.align_weight * (1.0 if spec.align_schedule == "constant" else max(0.0, 1 - step / spec.steps))
+    stats: dict[str, float] = {"loss": 0.0, "ce": 0.0, "align": 0.0}
+    for micro in range(spec.grad_accum):
+        g = micro * run.world + run.rank  # global micro-batch index: masks do not depend on world size
+        idx = micro_batch_indices(len(run.samples), spec, step, g, run.world)
+        batch_samples = [run.samples[i] for i in idx]
+        batch = make_batch(
+            batch_samples,
+            run.trajs,
+            spec,
+            run.sampler,
+            step,
+            g,
+            run.student.info.mask_id,
+            run.student.tok.pad_token_id,
+        )
+        rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step, 1, g]))
+        layers = run.reader.layers
+        chosen = (
+            sorted(rng.choice(layers, size=min(spec.align_layers, len(layers)), replace=False).tolist())
+            if lam > 0
+            else []
+        )
+        captured: dict[int, torch.Tensor] = {}
+        with (
+            capture_layers(run.student.model.get_base_model(), chosen, captured.__setitem__),
+            autocast(run.device, run.precision),
+        ):
+            loss, info = diffusion_ce(run.student, batch, batch["loss"], spec, run.device)
+        align = align_term(run, batch_samples, batch, chosen, captured, rng) if chosen else torch.zeros(())
+        total = loss + lam * align.to(loss.device)
+        if spec.complementary:
+            with autocast(run.device, run.precision):
+                comp, _ = diffusion_ce(run.student, batch, batch["comp_loss"], spec, run.device)
+            total = total + comp
+        run.accelerator.backward(total / spec.grad_accum)
+        stats["loss"] += total.item() / spec.grad_accum
+        stats["ce"] += info["ce"] / spec.grad_accum
+        stats["align"] += float(align.detach()) / spec.grad_accum
+    if run.world > 1:  # the mean over ranks, as DDP computes it
+        for p in run.params:
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)  # SUM: gloo has no AVG
+                p.grad.div_(run.world)
+    torch.nn.utils.clip_grad_norm_(run.params, spec.max_grad_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return {**stats, "lambda": lam}
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Rank 0 writes (and mirrors) the checkpoint of `step`; every rank waits for it."""
+    spec = run.job.spec
+    if run.rank == 0:
+        cursor = step * spec.grad_accum * run.world * spec.micro_batch_size
+        checkpoints.publish(
+            run.ckpt_root,
+            step,
+            run.job.train.keep_checkpoints,
+            run.student.model,
+            run.student.extras(),
+            run.optimizer,
+            run.scheduler,
+            cursor,
+            {"world": run.world},
+            remote=run.remote,
+        )
+        emit("checkpoint", step=step)
+    run.accelerator.wait_for_everyone()
+
+
+def stop_everywhere(run: Run, stop: StopFlag) -> bool:
+    """Whether any rank was asked to stop: every rank stops at the same step, or the others would wait forever."""
+    if run.world > 1:
+        flag = torch.tensor([float(stop.set)], device=run.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        stop.set = bool(flag.item())
+    return stop.set
+
+
+def train(job: TrainJob) -> dict[str, Any]:
+    """Train to `spec.steps` (resuming from the newest checkpoint); SIGTERM checkpoints and stops."""
+    spec, opts = job.spec, job.train
+    run = setup(job)
+    step = resume(run)
     stop = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: stop())  # this process's main thread
-    precision = resolve_precision(opts.mixed_precision, accelerator.device)
     tracker = Tracker(
-        opts.wandb_project if rank == 0 else None,
+        opts.wandb_project if run.rank == 0 else None,
         "head",
         job.head.key,
-        {"head": spec.model_dump(mode="json"), "train": opts.model_dump(mode="json"), "precision": precision},
+        {
+            "head": spec.model_dump(mode="json"),
+            "train": opts.model_dump(mode="json"),
+            "precision": run.precision,
+        },
         Path(job.workdir),
     )
     if tracker.url:
         emit("wandb", url=tracker.url)
-    layers = reader.layers
     history = []
-    while step < spec.steps:
-        lam = spec.align_weight * (
-            1.0 if spec.align_schedule == "constant" else max(0.0, 1 - step / spec.steps)
-        )
-        stats: dict[str, float] = {"loss": 0.0, "ce": 0.0, "align": 0.0}
-        for micro in range(spec.grad_accum):
-            g = micro * world + rank  # global micro-batch index: seeds masks independently of world size
-            idx = micro_batch_indices(len(samples), spec, step, g, world)
-            batch_samples = [samples[i] for i in idx]
-            batch = make_batch(
-                batch_samples, trajs, spec, sampler, step, g, student.info.mask_id, student.tok.pad_token_id
+    with tracker:
+        while step < spec.steps:
+            stats = train_step(run, step)
+            step += 1
+            stopping = stop_everywhere(run, stop) or step == job.stop_after
+            history.append({"step": step, **{k: round(v, 6) for k, v in stats.items() if k != "lambda"}})
+            tracker.log(
+                {**history[-1], "lr": run.scheduler.get_last_lr()[0], "lambda": stats["lambda"]}, step
             )
-            rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step, 1, g]))
-            chosen = (
-                sorted(rng.choice(layers, size=min(spec.align_layers, len(layers)), replace=False).tolist())
-                if lam > 0
-                else []
-            )
-            captured: dict[int, torch.Tensor] = {}
-            with (
-                capture_layers(student.model.get_base_model(), chosen, captured.__setitem__),
-                autocast(accelerator.device, precision),
-            ):
-                loss, info = diffusion_ce(student, batch, batch["loss"], spec, accelerator.device)
-            align = torch.zeros((), device=accelerator.device)
-            if chosen:
-                anchors = reader.batch(
-                    [s["sample_id"] for s in batch_samples], chosen, spec.align_token_fraction, rng
-                )
-                s_h, t_h = [], []
-                for b, a in enumerate(anchors):
-                    pos = torch.as_tensor(a["positions"], dtype=torch.long)
-                    pos_ok = pos < batch["pad"][b].sum()
-                    for j, layer in enumerate(chosen):
-                        s_h.append(captured[layer][b, pos[pos_ok].to(accelerator.device)])
-                        t_h.append(a["hidden"][pos_ok.numpy(), j].to(accelerator.device))
-                align = alignment_loss(s_h, t_h)
-            total = loss + lam * align
-            if spec.complementary:
-                with autocast(accelerator.device, precision):
-                    comp, _ = diffusion_ce(student, batch, batch["comp_loss"], spec, accelerator.device)
-                total = total + comp
-            accelerator.backward(total / spec.grad_accum)
-            stats["loss"] += total.item() / spec.grad_accum
-            stats["ce"] += info["ce"] / spec.grad_accum
-            stats["align"] += float(align.detach()) / spec.grad_accum
-        if world > 1:  # the mean over ranks, as DDP computes it
-            for p in params:
-                if p.grad is not None:
-                    torch.distributed.all_reduce(p.grad)  # SUM: gloo has no AVG
-                    p.grad.div_(world)
-        torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if world > 1:  # every rank stops at the same step, or the others would wait forever
-            flag = torch.tensor([float(stop.set)], device=accelerator.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            stop.set = bool(flag.item())
-        history.append({"step": step, **{k: round(v, 6) for k, v in stats.items()}})
-        tracker.log({**history[-1], "lr": scheduler.get_last_lr()[0], "lambda": lam}, step)
-        if rank == 0 and (step % opts.log_every == 0 or step == spec.steps):
-            emit("progress", total=spec.steps, **history[-1], lr=scheduler.get_last_lr()[0])
-        if step % opts.checkpoint_every == 0 or step == spec.steps or stop.set or step == job.stop_after:
-            if rank == 0:
-                cursor = step * spec.grad_accum * world * spec.micro_batch_size
-                checkpoints.publish(
-                    ckpt_root,
-                    step,
-                    opts.keep_checkpoints,
-                    student.model,
-                    student.extras(),
-                    optimizer,
-                    scheduler,
-                    cursor,
-                    {"world": world},
-                    remote=remote,
-                )
-                emit("checkpoint", step=step)
-            accelerator.wait_for_everyone()
-            if stop.set or step == job.stop_after:
+            if run.rank == 0 and (step % opts.log_every == 0 or step == spec.steps):
+                emit("progress", total=spec.steps, **history[-1], lr=run.scheduler.get_last_lr()[0])
+            if step % opts.checkpoint_every == 0 or step == spec.steps or stopping:
+                save_checkpoint(run, step)
+            if stopping:
                 emit("stopped", step=step)
-                tracker.finish()
                 return {"step": step, "stopped": True, "history": history}
-    tracker.finish()
     return {
         "step": step,
         "stopped": False,
         "history": history,
-        "student": student.info.__dict__,
-        "precision": precision,
+        "student": run.student.info.__dict__,
+        "precision": run.precision,
     }
 
 

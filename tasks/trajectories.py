@@ -8,13 +8,14 @@ import numpy as np
 import pyarrow as pa
 from prefect import task
 
-from flows.config import TrajectorySpec
-from models.sampler import forced_commit_steps
-from models.trajectory import confidence_trajectory
-from stores.anchors import AnchorReader
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key
-from stores.parquet import TOKENS, read_shard, write_shard
+from a2d.models.sampler import forced_commit_steps
+from a2d.models.trajectory import confidence_trajectory
+from a2d.specs import TrajectorySpec
+from a2d.stores.anchors import AnchorReader
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.keys import KeyInputs
+from a2d.stores.parquet import TOKENS, read_shard, write_shard
+from a2d.tasks.students import load_student
 
 STAGE = "trajectories"
 FORMAT_VERSION = 1
@@ -31,19 +32,13 @@ SCHEMA = pa.schema(
 )
 
 
-def key_spec(spec: TrajectorySpec) -> dict[str, Any]:
-    """The key-determining fields: the decode settings of a source it does not use are left out."""
+def key_inputs(spec: TrajectorySpec, responses_key: str, anchors_key: str) -> KeyInputs:
+    """The trajectories key: the decode settings of a source it does not use are left out."""
     data = spec.model_dump(mode="json")
     if spec.source == "teacher-confidence":
         data.pop("head_key")
         data.pop("threshold")
-    return data
-
-
-def key_for(spec: TrajectorySpec, responses_key: str, anchors_key: str) -> str:
-    return artifact_key(
-        STAGE, FORMAT_VERSION, key_spec(spec), {"responses": responses_key, "anchors": anchors_key}
-    )
+    return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "anchors": anchors_key})
 
 
 def response_confidence(
@@ -81,8 +76,6 @@ def trajectories_shard(
     out: dict[str, list] = {f.name: [] for f in SCHEMA}
     student = None
     if spec.source == "diffusion-decode":
-        from tasks.head import load_student
-
         student, dspec = load_student(store, store.ref("head", spec.head_key))
     for r in rows:
         if student is not None:
@@ -125,16 +118,3 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
         "mean_steps": round(steps / max(rows, 1), 2),
         "mean_tokens_per_step": round(tokens / max(steps, 1), 3),
     }
-
-
-def read_trajectories(store: ArtifactStore, ref: ArtifactRef) -> dict[str, dict[str, Any]]:
-    """All records of a complete trajectories artifact keyed by sample id (numpy arrays inside)."""
-    manifest = store.manifest(ref)
-    out = {}
-    for shard in manifest["shards"]:
-        for rec in read_shard(store.loc(ref), f"{shard}.parquet").to_pylist():
-            rec["response_ids"] = np.asarray(rec["response_ids"], dtype=np.int64)
-            rec["prompt_ids"] = np.asarray(rec["prompt_ids"], dtype=np.int64)
-            rec["unmask_step"] = np.asarray(rec["unmask_step"], dtype=np.int16)
-            out[rec["sample_id"]] = rec
-    return out

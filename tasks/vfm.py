@@ -12,29 +12,34 @@ import torch
 from prefect import task
 from tqdm import tqdm
 
-from flows.config import TrainOptions, VFMSpec
-from models.teacher import autocast, resolve_device, resolve_precision
-from models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt_states
-from stores import checkpoints
-from stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
-from stores.keys import artifact_key
-from stores.uri import Location
-from tasks.concurrency import gpu_slot
-from tasks.head import load_student, restore_checkpoints, workdir
-from tasks.interrupt import StopFlag, Stopped, on_sigterm
-from tasks.report import Progress, in_prefect_run
-from tasks.responses import eos_ids, read_responses
-from tasks.stage import logger
-from tasks.tracking import Tracker
+from a2d.models.generate import eos_ids
+from a2d.models.student import apply_lora, lora_parameters
+from a2d.models.teacher import autocast, resolve_device, resolve_precision
+from a2d.models.vfm import NoiseAdapter, flow_map_logits, kl_standard_normal, prompt_states
+from a2d.specs import TrainOptions, VFMSpec
+from a2d.stores import checkpoints
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.keys import KeyInputs
+from a2d.stores.readers import read_responses
+from a2d.stores.uri import Location
+from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.interrupt import StopFlag, Stopped, on_sigterm
+from a2d.tasks.report import Progress
+from a2d.tasks.runtime import in_prefect_run, logger
+from a2d.tasks.students import FLOW_MAP_LORA, VFM_SHARD, load_student
+from a2d.tasks.tracking import Tracker
+from a2d.tasks.training import restore_checkpoints, workdir
 
 STAGE = "vfm"
+SHARD = VFM_SHARD
 FORMAT_VERSION = 1
-FLOW_MAP_LORA = "flow_map_lora.safetensors"  # jointly tuned LoRA tensors, by parameter name
-SHARD = "noise_adapter"
 
 
-def key_for(spec: VFMSpec, head_key: str, responses_key: str) -> str:
-    return artifact_key(STAGE, FORMAT_VERSION, spec, {"head": head_key, "responses": responses_key})
+def key_inputs(spec: VFMSpec, head_key: str, responses_key: str) -> KeyInputs:
+    """The vfm key: the VFM spec, the head it distils and the responses it trains on."""
+    return KeyInputs(
+        STAGE, FORMAT_VERSION, spec.model_dump(mode="json"), {"head": head_key, "responses": responses_key}
+    )
 
 
 def batch_tensors(rows: list[dict], length: int, eos: int, pad: int) -> dict[str, torch.Tensor]:
@@ -52,11 +57,6 @@ def batch_tensors(rows: list[dict], length: int, eos: int, pad: int) -> dict[str
     return {"ids": ids, "pad": mask, "targets": targets}
 
 
-def lora_parameters(student: Any) -> dict[str, torch.nn.Parameter]:
-    """The student's LoRA parameters by name."""
-    return {n: p for n, p in student.model.named_parameters() if "lora_" in n}
-
-
 def tunable_lora(student: Any) -> dict[str, torch.nn.Parameter]:
     """The student's LoRA parameters, switched to trainable, by name."""
     lora = lora_parameters(student)
@@ -65,19 +65,6 @@ def tunable_lora(student: Any) -> dict[str, torch.nn.Parameter]:
     for p in lora.values():
         p.requires_grad_(True)
     return lora
-
-
-def apply_lora(lora: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
-    """Copy saved LoRA tensors into the student's parameters; the names must match exactly."""
-    if set(tensors) != set(lora):
-        missing, extra = sorted(set(lora) - set(tensors))[:3], sorted(set(tensors) - set(lora))[:3]
-        raise ValueError(
-            f"saved flow-map LoRA tensors do not fit this student (missing {missing}, unexpected {extra}); "
-            "they were trained on another head: rerun the vfm stage"
-        )
-    with torch.no_grad():
-        for name, t in tensors.items():
-            lora[name].copy_(t.to(lora[name].device, lora[name].dtype))
 
 
 def vfm_losses(
@@ -262,25 +249,3 @@ def vfm_train(
 def summarise(markers: dict[str, dict]) -> dict[str, Any]:
     m = markers[SHARD]
     return {"first_ce": m["first_ce"], "final_ce": m["final_ce"]}
-
-
-def load_vfm(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu") -> NoiseAdapter:
-    store.manifest(ref)
-    from tasks.teacher import cache_root
-
-    return NoiseAdapter.from_pretrained(store.local_copy(ref, SHARD, cache_root())).to(device).eval()
-
-
-def load_flow_map(store: ArtifactStore, ref: ArtifactRef, head_student: Any, device: str = "cpu") -> Any:
-    """The student that maps [prompt ; z] to tokens for this VFM: the head's own when it was kept
-    frozen, else a fresh copy of the head's student carrying the jointly tuned LoRA weights."""
-    from safetensors.torch import load_file
-
-    from tasks.teacher import cache_root
-
-    tuned = store.local_copy(ref, SHARD, cache_root()) / FLOW_MAP_LORA
-    if not tuned.is_file():
-        return head_student
-    student, _ = load_student(store, store.ref("head", store.manifest(ref)["upstream"]["head"]), device)
-    apply_lora(lora_parameters(student), load_file(tuned))
-    return student

@@ -17,7 +17,7 @@ os.environ.setdefault("A2D_CACHE", os.path.join(_HOME, "a2d-cache"))
 
 import pytest  # noqa: E402
 
-from flows.config import PipelineConfig, load_config  # noqa: E402
+from a2d.specs import PipelineConfig, load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def tiny_config(store: str, *overrides: str) -> PipelineConfig:
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory) -> str:
     """A store with the tiny pipeline run up to prompts, shared by read-only tests."""
-    from flows.pipeline import pipeline
+    from a2d.flows.pipeline import pipeline
 
     store = str(tmp_path_factory.mktemp("tiny-store"))
     pipeline(tiny_config(store), until="prompts")

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from flows.pipeline import pipeline, plan
-from models.capture import capture_layers
-from models.quant import cosine_stats, from_bf16_bits
-from models.teacher import build_random_teacher, decoder_layers, load_teacher
-from stores.anchors import AnchorMismatchError, AnchorReader
-from stores.artifacts import ArtifactStore
-from tasks.anchors import capture_shard
+from a2d.flows.pipeline import pipeline, plan
+from a2d.models.capture import capture_layers
+from a2d.models.quant import cosine_stats, from_bf16_bits
+from a2d.models.teacher import build_random_teacher, decoder_layers, load_teacher
+from a2d.stores.anchors import AnchorMismatchError, AnchorReader
+from a2d.stores.artifacts import ArtifactStore
+from a2d.tasks.anchors import capture_shard
 from tests.conftest import ROOT, tiny_config
 
 SMALL = ["prompts.bundled_rows=12", "prompts.rows_per_shard=4", "responses.max_new_tokens=8"]
@@ -108,7 +108,7 @@ def test_int8_anchors_are_close_and_smaller(anchored):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from stores.artifacts import ArtifactStore
+    from a2d.stores.artifacts import ArtifactStore
     original = ArtifactStore.write_marker
     def write_marker(self, ref, shard, files, stats):
         out = original(self, ref, shard, files, stats)
@@ -116,7 +116,7 @@ KILLER = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)  # die right after the first anchors shard is finished
         return out
     ArtifactStore.write_marker = write_marker
-    from flows.cli import main
+    from a2d.flows.cli import main
     sys.exit(main(sys.argv[1:]))
     """
 )

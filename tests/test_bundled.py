@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stores.bundled import KINDS, extract_answer, generate, is_correct, write_jsonl
+from a2d.stores.bundled import KINDS, extract_answer, generate, is_correct, write_jsonl
 
 ROWS = generate(300)
 FIELDS = {"id", "kind", "prompt", "response", "answer"}

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from flows.cli import main
+from a2d.flows.cli import main
 from tests.conftest import ROOT
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

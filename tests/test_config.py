@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from flows.config import ConfigError, PipelineConfig, RunOptions, load_config
+from a2d.specs import ConfigError, PipelineConfig, RunOptions, load_config
 from tests.conftest import ROOT
 
 

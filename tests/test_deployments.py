@@ -28,10 +28,10 @@ from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools.validation import ValidationError, validate
 from prefect.utilities.templating import apply_values
 
-from deployments.serve import GPU_FLOWS, NO_SERVER, Served, build_deployments, planned_refs, registry
-from flows.cli import main
-from flows.pipeline import STEPS
-from tasks.concurrency import ensure_limit, gpu_slot, limit_exists
+from a2d.deployments.serve import GPU_FLOWS, NO_SERVER, Served, build_deployments, planned_refs, registry
+from a2d.flows.cli import main
+from a2d.flows.pipeline import STEPS
+from a2d.tasks.concurrency import ensure_limit, gpu_slot, limit_exists
 from tests.conftest import ROOT, tiny_config
 
 DEPLOYMENTS = Path(ROOT, "deployments")
@@ -112,9 +112,8 @@ def test_prefect_yaml_declares_every_served_flow_on_both_pools():
     entries = _prefect_yaml()
     found = {}
     for d in entries:
-        path, attr = d["entrypoint"].split(":")
-        assert (Path(ROOT) / path).is_file(), d["entrypoint"]
-        obj = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), attr)
+        module, attr = d["entrypoint"].rsplit(".", 1)
+        obj = getattr(importlib.import_module(module), attr)
         assert isinstance(obj, Flow), d["entrypoint"]
         assert d["work_pool"]["name"] in POOLS and d["enforce_parameter_schema"] is True
         found[(obj.name, d["work_pool"]["name"])] = d
@@ -135,7 +134,7 @@ def test_k8s_job_template_is_accepted_and_asks_for_one_gpu():
     WorkPoolCreate(name="a2d-k8s", type="kubernetes", base_job_template=template)  # the server's check
     defaults = {k: v["default"] for k, v in template["variables"]["properties"].items() if "default" in v}
     k8s = {(d["entrypoint"], d["work_pool"]["name"]): d for d in _prefect_yaml()}
-    for entrypoint, gpus in (("flows/anchors.py:anchors_flow", 1), ("flows/prompts.py:prompts_flow", None)):
+    for entrypoint, gpus in (("a2d.flows.anchors.anchors_flow", 1), ("a2d.flows.prompts.prompts_flow", None)):
         job_variables = k8s[(entrypoint, "a2d-k8s")]["work_pool"]["job_variables"]
         rendered = apply_values(template["job_configuration"], {**defaults, **job_variables})
         pod = rendered["job_manifest"]["spec"]["template"]["spec"]
@@ -177,7 +176,7 @@ def test_regenerate_data_reports_rebuilt_then_reused(tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from flows.regenerate import ARTIFACT_KEY, DATA_STAGES, regenerate_data
+    from a2d.flows.regenerate import ARTIFACT_KEY, DATA_STAGES, regenerate_data
 
     config = tiny_config(
         str(tmp_path / "s"), "teacher.layers=4", "prompts.bundled_rows=4", "responses.max_new_tokens=8"
@@ -344,7 +343,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
 
     with (
         _process(
-            [sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file)], env, log
+            [sys.executable, "-m", "a2d.flows.cli", "serve", "--config", str(config_file)], env, log
         ) as serve,
         temporary_settings(updates={PREFECT_API_URL: prefect_server}),
         get_client(sync_client=True) as client,

@@ -13,15 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.config import TrainOptions
-from flows.pipeline import pipeline
-from models.sampler import threshold_decode
-from models.student import BidirectionalScan, build_student, lm_head, student_hidden
-from models.teacher import build_random_teacher
-from stores.anchors import AnchorMismatchError
-from stores.artifacts import ArtifactStore
-from tasks.head import key_for, workdir
-from tasks.train_head import TrainJob, train
+from a2d.flows.pipeline import pipeline
+from a2d.models.sampler import threshold_decode
+from a2d.models.student import BidirectionalScan, build_student, lm_head, student_hidden
+from a2d.models.teacher import build_random_teacher
+from a2d.specs import TrainOptions
+from a2d.stores.anchors import AnchorMismatchError
+from a2d.stores.artifacts import ArtifactStore
+from a2d.tasks.head import key_inputs
+from a2d.tasks.train_head import TrainJob, train
+from a2d.tasks.training import workdir
 from tests.conftest import ROOT, tiny_config
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "rslora": False}
@@ -83,8 +84,8 @@ def test_reverse_scan_is_what_makes_linear_attention_bidirectional(teachers):
 
 
 def test_training_events_come_from_rank_zero_and_a_garbled_line_is_not_fatal(capfd, monkeypatch):
-    from tasks.head import parse_event
-    from tasks.train_head import emit
+    from a2d.tasks.head import parse_event
+    from a2d.tasks.train_head import emit
 
     monkeypatch.setenv("RANK", "1")
     emit("done", step=2)
@@ -99,8 +100,8 @@ def test_training_events_come_from_rank_zero_and_a_garbled_line_is_not_fatal(cap
 
 
 def test_nf4_falls_back_to_the_unquantized_base_where_bitsandbytes_cannot_run(teachers, monkeypatch):
-    import models.student as student_module
-    from models.student import nf4_unavailable
+    import a2d.models.student as student_module
+    from a2d.models.student import nf4_unavailable
 
     assert nf4_unavailable(torch.device("cpu")) is None  # bitsandbytes serves the CPU here
     assert "mps" in nf4_unavailable(torch.device("mps"))
@@ -117,7 +118,7 @@ def test_a_resized_vocabulary_keeps_checkpoints_small_and_reloads_identically(tm
     hold only the adapters (not the embedding matrix), and a reload reproduces the logits exactly."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from stores import checkpoints
+    from a2d.stores import checkpoints
 
     build_random_teacher("llama", 1, 64, 0, tmp_path / "t", "float32")
     tok = AutoTokenizer.from_pretrained(tmp_path / "t")
@@ -203,9 +204,11 @@ def data(tmp_path_factory):
 def _job(store, cfg, refs, spec=None, stop_after=None, workdir_=None):
     spec = spec or cfg.head
     st = ArtifactStore(store)
-    ref = st.ref("head", key_for(spec, refs["teacher"].key, refs["anchors"].key, refs["trajectories"].key))
+    ref = st.ref(
+        "head", key_inputs(spec, refs["teacher"].key, refs["anchors"].key, refs["trajectories"].key).key
+    )
     return TrainJob(
-        store=store,
+        store_uri=ArtifactStore(store).root.uri,
         head=ref,
         teacher=refs["teacher"],
         teacher_spec=cfg.teacher,
@@ -235,7 +238,7 @@ def test_loss_and_alignment_fall(data, tmp_path):
 
 def test_foreign_anchors_are_refused(data, tmp_path):
     store, cfg, refs = data
-    from flows.teacher import teacher_flow
+    from a2d.flows.teacher import teacher_flow
 
     other = teacher_flow(cfg.teacher.model_copy(update={"seed": 1}), store)  # another teacher, same store
     job = _job(store, cfg, refs, workdir_=tmp_path / "w").model_copy(update={"teacher": other})
@@ -248,14 +251,14 @@ def test_foreign_anchors_are_refused(data, tmp_path):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from stores import checkpoints
+    from a2d.stores import checkpoints
     original = checkpoints.prune
     def prune(root, keep):
         original(root, keep)
         if checkpoints.latest(root).name == "step-00000003":
             os.kill(os.getpid(), signal.SIGKILL)
     checkpoints.prune = prune
-    from tasks.train_head import main
+    from a2d.tasks.train_head import main
     sys.exit(main(sys.argv[1:]))
     """
 )
@@ -274,7 +277,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000003"]
     resumed = subprocess.run(
-        [sys.executable, "-m", "tasks.train_head", str(tmp_path / "killed" / "job.json")],
+        [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "killed" / "job.json")],
         env=env,
         cwd=ROOT,
         timeout=600,
@@ -286,7 +289,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
     (tmp_path / "clean").mkdir()
     (tmp_path / "clean" / "job.json").write_text(clean.model_dump_json())
     subprocess.run(
-        [sys.executable, "-m", "tasks.train_head", str(tmp_path / "clean" / "job.json")],
+        [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "clean" / "job.json")],
         env=env,
         cwd=ROOT,
         timeout=600,
@@ -308,7 +311,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
 
 
 def test_mixed_precision_resolution_and_autocast():
-    from models.teacher import autocast, resolve_precision
+    from a2d.models.teacher import autocast, resolve_precision
 
     cpu = torch.device("cpu")
     assert resolve_precision("auto", cpu) == "no" and resolve_precision("bf16", cpu) == "bf16"
@@ -344,8 +347,8 @@ def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
 TERMINATED = """
 import logging, sys
 from pathlib import Path
-from tasks.head import run_training
-from tasks.train_head import TrainJob
+from a2d.tasks.head import run_training
+from a2d.tasks.train_head import TrainJob
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)
 run_training(TrainJob.model_validate_json(Path(sys.argv[1]).read_text()))
 """
@@ -357,7 +360,7 @@ def test_sigterm_to_the_task_saves_the_current_step_and_stops(data, tmp_path, pr
     """SIGTERM (pod eviction, cancellation) reaches the task process; it is forwarded to the trainer
     (through accelerate/torchrun to every rank), which checkpoints the step it is on and exits; the
     task then fails with a resumable error."""
-    from stores import checkpoints
+    from a2d.stores import checkpoints
 
     store, cfg, refs = data
     spec = cfg.head.model_copy(update={"steps": 1000})  # far more than can run before the signal lands
@@ -389,13 +392,26 @@ def test_sigterm_to_the_task_saves_the_current_step_and_stops(data, tmp_path, pr
     assert json.loads((last / checkpoints.STATE).read_text())["world"] == processes
 
 
-def test_head_stage_publishes_a_loadable_adapter_and_decodes(data):
+def test_head_stage_publishes_a_loadable_adapter_and_decodes(data, tmp_path, monkeypatch, capsys):
+    """`a2d run` from another directory with the default `./a2d-store`: the trainer process reads
+    and writes that directory's store (it once read the repository's and failed)."""
     store, cfg, refs = data
     from peft import PeftModel
 
-    from tasks.head import load_student
+    from a2d.flows.cli import main
+    from a2d.tasks.students import load_student
 
-    refs = pipeline(cfg, until="head")
+    monkeypatch.delenv("A2D_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    os.symlink(store, tmp_path / "a2d-store")  # ./a2d-store here is the data store
+    repo_store = os.path.join(ROOT, "a2d-store", "head")
+    repo_heads = set(os.listdir(repo_store)) if os.path.isdir(repo_store) else set()
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    assert main(["run", tiny, "--until", "head", *(a for o in SMALL for a in ("--set", o))]) == 0
+    assert "head " in capsys.readouterr().out
+    refs = pipeline(cfg, until="head")  # reused: built by the CLI above, in ./a2d-store
+    assert (tmp_path / "a2d-store" / "head" / refs["head"].key / "manifest.json").is_file()
+    assert (set(os.listdir(repo_store)) if os.path.isdir(repo_store) else set()) == repo_heads
     st = ArtifactStore(store)
     adapter = st.loc(refs["head"]).local_path() / "adapter"
     spec = st.manifest(refs["head"])["metrics"]["diffusion_spec"]
@@ -417,8 +433,8 @@ def test_head_stage_publishes_a_loadable_adapter_and_decodes(data):
 
 
 def test_diffusion_decode_trajectories_from_a_trained_head(data):
-    from flows.trajectories import trajectories_flow
-    from tasks.trajectories import read_trajectories
+    from a2d.flows.trajectories import trajectories_flow
+    from a2d.stores.readers import read_trajectories
 
     store, cfg, refs = data
     refs = pipeline(cfg, until="head")

@@ -1,8 +1,8 @@
 """Artifact keys: golden values pin the hashing so that invalidation is always deliberate."""
 
-from flows.config import PromptSpec, TeacherSpec
-from stores.keys import artifact_key, canonical_json
-from tasks import prompts, teacher
+from a2d.specs import PromptSpec, TeacherSpec
+from a2d.stores.keys import artifact_key, canonical_json
+from a2d.tasks import prompts, teacher
 
 
 def test_golden_keys():
@@ -12,8 +12,8 @@ def test_golden_keys():
         == "077300002a22f6c2"
     )
     # A stage's real key, from its default spec: changing FORMAT_VERSION or a default changes it.
-    assert teacher.key_for(TeacherSpec()) == "cf6bebf674074c45"
-    assert prompts.key_for(PromptSpec(), "cf6bebf674074c45") == "e0a673b01851484d"
+    assert teacher.key_inputs(TeacherSpec()).key == "cf6bebf674074c45"
+    assert prompts.key_inputs(PromptSpec(), "cf6bebf674074c45").key == "e0a673b01851484d"
 
 
 def test_canonical_json_is_order_and_number_stable():
@@ -33,18 +33,19 @@ def test_key_depends_on_every_input():
 def test_load_options_are_not_in_the_teacher_key():
     a = TeacherSpec()
     b = TeacherSpec.model_validate({"load": {"quantization": "nf4"}})
-    assert teacher.key_for(a) == teacher.key_for(b)
-    assert teacher.key_for(a) != teacher.key_for(TeacherSpec(seed=1))
+    assert teacher.key_inputs(a).key == teacher.key_inputs(b).key
+    assert teacher.key_inputs(a).key != teacher.key_inputs(TeacherSpec(seed=1)).key
 
 
 def test_unused_source_settings_stay_out_of_the_trajectories_key():
-    from flows.config import TrajectorySpec
-    from tasks import trajectories
+    from a2d.specs import TrajectorySpec
+    from a2d.tasks import trajectories
 
-    a = trajectories.key_for(TrajectorySpec(), "r" * 16, "a" * 16)
-    assert trajectories.key_for(TrajectorySpec(threshold=0.5), "r" * 16, "a" * 16) == a
-    assert trajectories.key_for(TrajectorySpec(steps_per_block=4), "r" * 16, "a" * 16) != a
+    a = trajectories.key_inputs(TrajectorySpec(), "r" * 16, "a" * 16).key
+    assert trajectories.key_inputs(TrajectorySpec(threshold=0.5), "r" * 16, "a" * 16).key == a
+    assert trajectories.key_inputs(TrajectorySpec(steps_per_block=4), "r" * 16, "a" * 16).key != a
     decode = TrajectorySpec(source="diffusion-decode", head_key="h" * 16)
-    assert trajectories.key_for(decode, "r" * 16, "a" * 16) != trajectories.key_for(
-        decode.model_copy(update={"threshold": 0.5}), "r" * 16, "a" * 16
+    assert (
+        trajectories.key_inputs(decode, "r" * 16, "a" * 16).key
+        != trajectories.key_inputs(decode.model_copy(update={"threshold": 0.5}), "r" * 16, "a" * 16).key
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from models.metrics import (
+from a2d.models.metrics import (
     aup,
     exact_match,
     family_aup,
@@ -17,7 +17,7 @@ from models.metrics import (
     summarise_sampler,
     token_agreement,
 )
-from models.report import markdown_report, plot_speed_quality, text_table
+from a2d.models.report import markdown_report, plot_speed_quality, text_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

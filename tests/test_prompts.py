@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from flows.config import PromptSpec
-from flows.prompts import prompts_flow
-from flows.teacher import teacher_flow
-from stores.artifacts import ArtifactStore
-from tasks.prompts import key_for, read_prompts, split_of
+from a2d.flows.prompts import prompts_flow
+from a2d.flows.teacher import teacher_flow
+from a2d.specs import PromptSpec
+from a2d.stores.artifacts import ArtifactStore
+from a2d.stores.readers import read_prompts
+from a2d.tasks.prompts import key_inputs, split_of
 from tests.conftest import tiny_config
 
 
@@ -63,13 +64,13 @@ def test_file_content_not_name_decides_the_key(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "a"}) + "\n")
     spec = PromptSpec(source="files", files=(str(data),))
-    k1 = key_for(spec, "t" * 16)
+    k1 = key_inputs(spec, "t" * 16).key
     data.write_text(json.dumps({"prompt": "b"}) + "\n")
-    assert key_for(spec, "t" * 16) != k1
+    assert key_inputs(spec, "t" * 16).key != k1
     with pytest.raises(ValueError, match="does not exist"):
-        key_for(PromptSpec(source="files", files=(str(tmp_path / "missing.jsonl"),)), "t" * 16)
+        key_inputs(PromptSpec(source="files", files=(str(tmp_path / "missing.jsonl"),)), "t" * 16)
     with pytest.raises(ValueError, match="unsupported extension"):
-        key_for(PromptSpec(source="files", files=(str(tmp_path / "x.txt"),)), "t" * 16)
+        key_inputs(PromptSpec(source="files", files=(str(tmp_path / "x.txt"),)), "t" * 16)
 
 
 def test_wrong_prompt_column_names_the_columns(teacher, tmp_path):

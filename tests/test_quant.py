@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.quant import (
+from a2d.models.quant import (
     Int8Block,
     bf16_bits,
     choose_outliers,

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from flows.cli import main
-from flows.pipeline import pipeline
-from stores.artifacts import ArtifactStore
+from a2d.flows.cli import main
+from a2d.flows.pipeline import pipeline
+from a2d.stores.artifacts import ArtifactStore
 from tests.conftest import ROOT, tiny_config
 
 LLAMA = [
@@ -124,7 +124,8 @@ def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
 
     # The head's checkpoints are mirrored into the store, so a retry on another machine (empty local
     # work folder) resumes from the last one there instead of starting over.
-    from tasks.head import SHARD, workdir
+    from a2d.tasks.head import SHARD
+    from a2d.tasks.training import workdir
 
     head = st.loc(refs["head"])
     assert head.listdir("checkpoints") == ["step-00000003", "step-00000006"]
@@ -173,7 +174,7 @@ def test_dask_fan_out_matches_threads(tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
-    from tasks.head import launch_command, run_training
+    from a2d.tasks.head import launch_command, run_training
     from tests.test_head import _job
 
     store = str(tmp_path / "store")
@@ -217,8 +218,8 @@ def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
     # the single-process loader reads the 2-process checkpoint
     from peft import PeftModel
 
-    from models.teacher import load_teacher
-    from tasks.teacher import local_dir
+    from a2d.models.teacher import load_teacher
+    from a2d.tasks.teacher import local_dir
 
     base, _ = load_teacher(local_dir(ArtifactStore(store), refs["teacher"]))
     model = PeftModel.from_pretrained(

@@ -6,9 +6,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stores.artifacts import ArtifactStore, IncompleteArtifactError, hash_local_tree
-from stores.parquet import TOKENS, read_shard, write_shard
-from stores.uri import Location, normalise_uri
+from a2d.stores.artifacts import ArtifactStore, IncompleteArtifactError, hash_local_tree
+from a2d.stores.keys import KeyInputs
+from a2d.stores.parquet import TOKENS, read_shard, write_shard
+from a2d.stores.uri import Location, normalise_uri
 
 SCHEMA = pa.schema([("sample_id", pa.string()), ("ids", TOKENS)])
 
@@ -21,6 +22,12 @@ def _write(store: ArtifactStore, ref, shard: str, n: int) -> None:
         )
         sha = hash_local_tree(out)[""]
     store.write_marker(ref, shard, {name: sha}, {"rows": n, "tokens": 2 * n})
+
+
+def _planned(store: ArtifactStore, inputs: KeyInputs, shards: list[str]):
+    ref = store.ref_for(inputs)
+    store.write_plan(ref, inputs, shards)
+    return ref
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -44,8 +51,9 @@ def test_uri_normalisation(tmp_path):
 
 
 def test_shards_manifest_verify_and_listing(store):
-    ref = store.ref("prompts", "0123456789abcdef")
-    store.write_plan(ref, {"x": 1}, {"teacher": "fedcba9876543210"}, ["part-00000", "part-00001"])
+    inputs = KeyInputs("prompts", 1, {"x": 1}, {"teacher": "fedcba9876543210"})
+    ref = store.ref_for(inputs)
+    store.write_plan(ref, inputs, ["part-00000", "part-00001"])
     _write(store, ref, "part-00000", 3)
     assert not store.is_complete(ref)
     row = store.describe(ref)
@@ -67,8 +75,7 @@ def test_shards_manifest_verify_and_listing(store):
 
 
 def test_corruption_is_named_and_only_that_shard_is_redone(store):
-    ref = store.ref("prompts", "0123456789abcdef")
-    store.write_plan(ref, {}, {}, ["part-00000", "part-00001"])
+    ref = _planned(store, KeyInputs("prompts", 1, {}, {}), ["part-00000", "part-00001"])
     _write(store, ref, "part-00000", 3)
     _write(store, ref, "part-00001", 3)
     store.commit(ref)
@@ -83,17 +90,15 @@ def test_corruption_is_named_and_only_that_shard_is_redone(store):
 
 
 def test_lineage_and_find(store):
-    up = store.ref("teacher", "aaaaaaaaaaaaaaaa")
-    store.write_plan(up, {}, {}, [])
+    up = _planned(store, KeyInputs("teacher", 1, {}, {}), [])
     store.commit(up)
-    down = store.ref("prompts", "bbbbbbbbbbbbbbbb")
-    store.write_plan(down, {}, {"teacher": up.key}, [])
+    down = _planned(store, KeyInputs("prompts", 1, {}, {"teacher": up.key}), [])
     store.commit(down)
     assert store.lineage(up) == {"upstream": [], "downstream": [f"prompts/{down.key}"]}
     assert store.lineage(down)["upstream"] == [f"teacher/{up.key}"]
-    assert store.find("bbbb") == down
+    assert store.find(down.key[:6]) == down
     with pytest.raises(KeyError, match="no artifact"):
-        store.find("cccc")
+        store.find("zzzz")
 
 
 def test_manifest_is_written_atomically(tmp_path):
@@ -114,7 +119,7 @@ class _Adapter(torch.nn.Linear):
 
 
 def test_checkpoints_mirrored_to_a_remote_store_resume_on_another_machine(tmp_path):
-    from stores import checkpoints
+    from a2d.stores import checkpoints
 
     remote = Location.of(f"memory://a2d-ckpt-{tmp_path.name}/head/k/checkpoints")
     model = _Adapter(4, 4)

@@ -5,16 +5,16 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flows.config import TeacherSpec
-from flows.teacher import teacher_flow
-from models.teacher import build_random_teacher, decoder_layers, load_teacher
-from stores.artifacts import ArtifactStore
-from tasks import teacher as stage
+from a2d.flows.teacher import teacher_flow
+from a2d.models.teacher import build_random_teacher, decoder_layers, load_teacher
+from a2d.specs import TeacherSpec
+from a2d.stores.artifacts import ArtifactStore
+from a2d.tasks import teacher as stage
 
 
 def test_random_qwen3_5_has_the_real_hybrid_layout(tiny_store):
     store = ArtifactStore(tiny_store)
-    ref = store.ref("teacher", stage.key_for(TeacherSpec()))
+    ref = store.ref("teacher", stage.key_inputs(TeacherSpec()).key)
     manifest = store.manifest(ref)
     arch = manifest["metrics"]["architecture"]
     assert arch["model_type"].startswith("qwen3_5") and arch["layers"] == 64
@@ -39,7 +39,7 @@ def test_local_source_key_follows_content(tmp_path):
     src = tmp_path / "src"
     build_random_teacher("llama", 2, 32, 0, src, "float32")
     spec = TeacherSpec(source="local", path=str(src))
-    key = stage.key_for(spec)
+    key = stage.key_inputs(spec).key
     ref = teacher_flow(spec, str(tmp_path / "store"))
     assert ref.key == key
     model, _ = load_teacher(stage.local_dir(ArtifactStore(str(tmp_path / "store")), ref))
@@ -47,9 +47,9 @@ def test_local_source_key_follows_content(tmp_path):
     (src / "config.json").write_text(
         (src / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05')
     )
-    assert stage.key_for(spec) != key
+    assert stage.key_inputs(spec).key != key
     with pytest.raises(ValueError, match="not a model directory"):
-        stage.key_for(TeacherSpec(source="local", path=str(tmp_path / "nope")))
+        stage.key_inputs(TeacherSpec(source="local", path=str(tmp_path / "nope")))
 
 
 def test_hub_source_loads_a_pinned_revision_from_the_hub_cache(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def test_hub_source_loads_a_pinned_revision_from_the_hub_cache(tmp_path, monkeyp
 
 def test_nf4_teacher_loads_and_runs(tiny_store):
     store = ArtifactStore(tiny_store)
-    path = stage.local_dir(store, store.ref("teacher", stage.key_for(TeacherSpec())))
+    path = stage.local_dir(store, store.ref("teacher", stage.key_inputs(TeacherSpec()).key))
     model, _ = load_teacher(path, quantization="nf4", device="cpu")
     kinds = {type(m).__name__ for m in model.modules()}
     assert "Linear4bit" in kinds

@@ -5,11 +5,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.pipeline import pipeline
-from models.trajectory import ViewSampler, confidence_trajectory, snapshot
-from stores.anchors import AnchorReader
-from stores.artifacts import ArtifactStore
-from tasks.trajectories import read_trajectories, response_confidence
+from a2d.flows.pipeline import pipeline
+from a2d.models.trajectory import ViewSampler, confidence_trajectory, snapshot
+from a2d.stores.anchors import AnchorReader
+from a2d.stores.artifacts import ArtifactStore
+from a2d.stores.readers import read_trajectories
+from a2d.tasks.trajectories import response_confidence
 from tests.conftest import tiny_config
 
 SMALL = ["prompts.bundled_rows=12", "prompts.rows_per_shard=4", "responses.max_new_tokens=12"]
@@ -63,7 +64,7 @@ def test_sampler_refuses_a_trajectory_from_another_response(built):
 
 def test_anchors_from_other_responses_are_refused(built, tmp_path):
     store, cfg, refs = built
-    from tasks.trajectories import trajectories_shard
+    from a2d.tasks.trajectories import trajectories_shard
 
     other = refs["responses"].model_copy(update={"key": "0" * 16})
     with pytest.raises(ValueError, match="responses_key mismatch"):

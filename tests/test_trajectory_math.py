@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from models.trajectory import (
+from a2d.models.trajectory import (
     MaskView,
     ViewSampler,
     check_pairing,

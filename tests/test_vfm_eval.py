@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.config import TrainOptions
-from flows.pipeline import pipeline
-from models.vfm import NoiseAdapter, kl_standard_normal
-from stores.artifacts import ArtifactStore
-from tasks.vfm import train_vfm
+from a2d.flows.pipeline import pipeline
+from a2d.models.vfm import NoiseAdapter, kl_standard_normal
+from a2d.specs import TrainOptions
+from a2d.stores.artifacts import ArtifactStore
+from a2d.tasks.vfm import train_vfm
 from tests.conftest import tiny_config
 
 SMALL = [
@@ -60,8 +60,7 @@ def test_vfm_resume_is_exact_and_the_artifact_is_reused(built, tmp_path):
 
 
 def test_joint_lora_tuning_resumes_exactly_and_the_eval_uses_the_tuned_flow_map(built, tmp_path):
-    from tasks.head import load_student
-    from tasks.vfm import FLOW_MAP_LORA, load_flow_map
+    from a2d.tasks.students import FLOW_MAP_LORA, load_flow_map, load_student
 
     store, cfg, refs = built
     st = ArtifactStore(store)
@@ -97,8 +96,8 @@ def test_sigterm_during_vfm_training_saves_that_step_and_stops(built, tmp_path, 
     import os
     import signal
 
-    from stores import checkpoints
-    from tasks import vfm as vfm_task
+    from a2d.stores import checkpoints
+    from a2d.tasks import vfm as vfm_task
 
     class TermAfterFirstStep(vfm_task.Progress):
         def advance(self, n: int = 1) -> None:
@@ -142,3 +141,38 @@ def test_eval_reports_every_sampler(built):
     assert all(name in report for name in names)
     assert (out / "speed_quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert st.verify(refs["eval"]) == []
+
+
+def test_every_stage_manifest_spec_hashes_to_its_key(built):
+    """The key, the plan and the manifest come from one `key_inputs` per stage: they cannot drift."""
+    import importlib
+
+    from a2d.flows.pipeline import plan
+    from a2d.stores.keys import artifact_key
+
+    store, cfg, refs = built
+    st = ArtifactStore(store)
+    assert plan(cfg) == refs  # planning from specs names exactly what the run built
+    for stage, ref in refs.items():
+        m = st.manifest(ref)
+        module = importlib.import_module(f"a2d.tasks.{'evaluate' if stage == 'eval' else stage}")
+        assert m["format_version"] == module.FORMAT_VERSION
+        assert artifact_key(stage, m["format_version"], m["spec"], m["upstream"]) == ref.key, stage
+
+
+def test_a_new_sampler_changes_the_eval_key():
+    """The eval key lists its samplers, so adding one invalidates old eval artifacts by itself."""
+    from a2d.specs import EvalSpec
+    from a2d.tasks import evaluate
+
+    up = {"teacher": "t" * 16, "responses": "r" * 16, "head": "h" * 16, "vfm": "v" * 16}
+    spec = EvalSpec()
+    base = evaluate.key_inputs(spec, up)
+    assert base.payload["samplers"] == evaluate.sampler_names(spec, with_vfm=True)
+    assert evaluate.key_inputs(spec.model_copy(update={"thresholds": (0.9,)}), up).key != base.key
+    original = evaluate.sampler_names
+    try:
+        evaluate.sampler_names = lambda s, with_vfm: [*original(s, with_vfm), "new:sampler"]
+        assert evaluate.key_inputs(spec, up).key != base.key
+    finally:
+        evaluate.sampler_names = original

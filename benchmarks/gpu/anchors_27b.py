@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from a2d.stores.anchors import write_shard  # noqa: E402
+from a2d.tasks.anchors import capture_shard  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
-from stores.anchors import write_shard  # noqa: E402
-from tasks.anchors import capture_shard  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 

@@ -20,10 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from a2d.models.losses import masked_diffusion_loss  # noqa: E402
+from a2d.models.student import lm_head, make_student, student_hidden  # noqa: E402
+from a2d.models.teacher import byte_tokenizer, decoder_layers  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
-from models.losses import masked_diffusion_loss  # noqa: E402
-from models.student import lm_head, make_student, student_hidden  # noqa: E402
-from models.teacher import byte_tokenizer, decoder_layers  # noqa: E402
 
 
 def quantize_nf4(model: torch.nn.Module, device: str) -> int:

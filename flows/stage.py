@@ -1,21 +1,21 @@
 """The one way a stage runs: reuse a complete artifact, else plan, map unfinished shards, commit.
 
-Flows call `run_sharded`; each stage supplies a Prefect task that writes one shard and its marker.
+Flows call `run_sharded` with the stage's key inputs (from the one `key_inputs` function of
+`a2d.tasks.<stage>`); each stage supplies a Prefect task that writes one shard and its marker.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefect import get_run_logger
-from prefect.exceptions import MissingContextError
+from a2d.specs import RunOptions
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer
+from a2d.stores.keys import KeyInputs
+from a2d.tasks.report import publish_stage_table
+from a2d.tasks.runtime import logger
 
-from stores.artifacts import ArtifactRef, ArtifactStore, Timer
-from tasks.report import publish_stage_table
-
-ShardArgs = Callable[[str], dict[str, Any]]
+ShardArgs = Callable[[ArtifactRef, str], dict[str, Any]]  # (artifact, shard) -> the shard task's kwargs
 
 
 def _run_on_dask(shard_task: Any, kwargs: list[dict[str, Any]], workers: int, address: str | None) -> None:
@@ -40,46 +40,38 @@ def _run_on_dask(shard_task: Any, kwargs: list[dict[str, Any]], workers: int, ad
             future.result()
 
 
-def logger() -> logging.Logger | logging.LoggerAdapter:
-    """Prefect's run logger inside a run, the module logger outside one (plain unit tests)."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("a2d")
-
-
 def run_sharded(
     store: ArtifactStore,
-    ref: ArtifactRef,
-    spec: Any,
-    upstream: Mapping[str, str],
-    shards: Sequence[str],
+    inputs: KeyInputs,
+    shards: Sequence[str] | Callable[[], Sequence[str]],
     shard_task: Any,
     shard_kwargs: ShardArgs,
-    workers: int,
-    verify_reuse: bool = True,
-    runner: str = "threads",
-    dask_address: str | None = None,
+    opts: RunOptions,
     metrics: Callable[[dict[str, dict]], dict[str, Any]] | None = None,
+    fan_out: bool = True,
 ) -> ArtifactRef:
-    """Build `ref` shard by shard with at most `workers` shard tasks in flight.
+    """Build the artifact `inputs` names, shard by shard, with at most `opts.workers` shard tasks in flight.
 
     A complete artifact (manifest present) is returned at once. Otherwise finished shards whose
-    checksums still verify are kept and only the rest run; the manifest is written last.
+    checksums still verify are kept and only the rest run; the manifest is written last. `shards`
+    may be a callable, evaluated only when there is work to do (listing them can read a dataset).
+    `fan_out=False` runs the shards one at a time in this process (single-shard training stages).
     """
     log = logger()
     timer = Timer()
-    if store.reusable(ref, verify=verify_reuse):
+    ref = store.ref_for(inputs)
+    if store.reusable(ref, verify=opts.verify_reuse):
         log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
         publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
         return ref
     plan = store.plan(ref)
-    if plan and not shards:
-        shards = plan["shards"]  # a demoted artifact: same shards as planned
-    store.write_plan(ref, spec, upstream, list(shards))
+    if callable(shards):  # a partial or demoted artifact keeps the shards it planned
+        shards = plan["shards"] if plan else shards()
+    shards = list(shards)
+    store.write_plan(ref, inputs, shards)
     pending = []
     for shard in shards:
-        if store.finished_shard(ref, shard, verify=verify_reuse) is None:
+        if store.finished_shard(ref, shard, verify=opts.verify_reuse) is None:
             store.discard_shard(ref, shard)
             pending.append(shard)
     log.info(
@@ -90,19 +82,20 @@ def run_sharded(
         len(shards),
         len(pending),
     )
-    if runner == "dask" and pending:
-        _run_on_dask(shard_task, [shard_kwargs(s) for s in pending], workers, dask_address)
+    workers = opts.workers if fan_out else 1
+    if fan_out and opts.runner == "dask" and pending:
+        _run_on_dask(shard_task, [shard_kwargs(ref, s) for s in pending], workers, opts.dask_address)
         pending = []
     # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
     for start in range(0, len(pending), workers):
         wave = pending[start : start + workers]
         if hasattr(shard_task, "submit"):
-            futures = [shard_task.submit(**shard_kwargs(s)) for s in wave]
+            futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
             for future in futures:
                 future.result()
         else:
             for s in wave:
-                shard_task(**shard_kwargs(s))
+                shard_task(**shard_kwargs(ref, s))
     markers = {s: store.marker(ref, s) for s in shards}
     stage_metrics = metrics(markers) if metrics else {}
     stage_metrics["seconds"] = round(timer.seconds, 3)

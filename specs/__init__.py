@@ -1,0 +1,43 @@
+"""a2d.specs: the pydantic specs every layer shares (the bottom of the import graph)."""
+
+from a2d.specs.config import (
+    STAGES,
+    ConfigError,
+    PipelineConfig,
+    RunOptions,
+    TrainOptions,
+    apply_overrides,
+    load_config,
+)
+from a2d.specs.stages import (
+    AnchorSpec,
+    EvalSpec,
+    HeadSpec,
+    LoadSpec,
+    PromptSpec,
+    ResponseSpec,
+    Spec,
+    TeacherSpec,
+    TrajectorySpec,
+    VFMSpec,
+)
+
+__all__ = [
+    "STAGES",
+    "AnchorSpec",
+    "ConfigError",
+    "EvalSpec",
+    "HeadSpec",
+    "LoadSpec",
+    "PipelineConfig",
+    "PromptSpec",
+    "ResponseSpec",
+    "RunOptions",
+    "Spec",
+    "TeacherSpec",
+    "TrainOptions",
+    "TrajectorySpec",
+    "VFMSpec",
+    "apply_overrides",
+    "load_config",
+]

@@ -1,0 +1,56 @@
+"""The installed package: one `a2d` namespace in site-packages, no generic top-level names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+from tests.conftest import ROOT
+
+FOLDERS = ("specs", "models", "stores", "tasks", "flows", "deployments")
+
+
+def test_the_wheel_installs_only_the_a2d_namespace(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            ROOT,
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = tmp_path.glob("a2d_pipeline-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = next(n for n in names if n.endswith("top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["a2d"]
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"a2d"}
+    for folder in FOLDERS:
+        assert f"a2d/{folder}/__init__.py" in names, folder
+    assert "a2d/deployments/prefect.yaml" in names and "a2d/flows/cli.py" in names
+    entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "a2d = a2d.flows.cli:main" in entry
+
+
+def test_outside_the_checkout_only_a2d_imports(tmp_path):
+    """From another directory, `import tasks` finds nothing (another project's `tasks/` is safe)."""
+    code = (
+        "import importlib.util as u, sys\n"
+        f"print([m for m in {FOLDERS!r} if u.find_spec(m) is not None])\n"
+        "import a2d.flows.cli, a2d.tasks.head\n"
+        "print(a2d.flows.cli.main.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n")[:2] == ["[]", "a2d.flows.cli"]
