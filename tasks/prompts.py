@@ -21,8 +21,8 @@ from a2d.stores.parquet import TOKENS, write_shard
 from a2d.tasks import teacher as teacher_stage
 
 STAGE = "prompts"
-FORMAT_VERSION = 1
-REJECT_REASONS = ("empty", "too_long", "undecodable", "missing_column")
+FORMAT_VERSION = 2  # 2: prompts deduplicated by normalised text before the split
+REJECT_REASONS = ("empty", "too_long", "undecodable", "missing_column", "duplicate")
 SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
@@ -104,8 +104,33 @@ def _source_rows_cached(spec_json: str, identity_json: str) -> tuple[tuple[dict[
     return tuple(rows), (("undecodable", undecodable),)
 
 
+def normalised_prompt(prompt: Any) -> str:
+    """The text two prompts are compared by: case and whitespace do not make a prompt new."""
+    if isinstance(prompt, list):  # chat messages
+        return json.dumps([normalised_prompt(m.get("content")) if isinstance(m, dict) else m for m in prompt])
+    return " ".join(str(prompt).lower().split())
+
+
+def deduplicate(rows: list[dict[str, Any]], column: str) -> tuple[list[dict[str, Any]], int]:
+    """Keep the first row of every normalised prompt text; returns (rows, duplicates dropped).
+
+    Done over the whole dataset before the held-out split, so no eval prompt is also a training prompt.
+    """
+    seen: set[str] = set()
+    kept = []
+    for row in rows:
+        prompt = row.get(column)
+        text = normalised_prompt(prompt) if prompt is not None else ""
+        if text in seen:
+            continue
+        if text and text != "[]":  # empty prompts are rejected as empty, not as duplicates
+            seen.add(text)
+        kept.append(row)
+    return kept, len(rows) - len(kept)
+
+
 def source_rows(spec: PromptSpec) -> tuple[list[dict[str, Any]], Counter]:
-    """Every source row (as dicts) and rejections found while reading (non-UTF-8 lines)."""
+    """Every distinct source row (as dicts) and rejections found while reading (non-UTF-8 lines, duplicates)."""
     ident = json.dumps(source_identity(spec), sort_keys=True)
     rows, pre = _source_rows_cached(spec.model_dump_json(), ident)
     if spec.source != "bundled" and rows and spec.prompt_column not in rows[0]:
@@ -113,7 +138,9 @@ def source_rows(spec: PromptSpec) -> tuple[list[dict[str, Any]], Counter]:
         raise ValueError(
             f"prompts.prompt_column={spec.prompt_column!r} is not a column of the dataset; columns are {cols}"
         )
-    return list(rows), Counter(dict(pre))
+    column = "prompt" if spec.source == "bundled" else spec.prompt_column
+    kept, duplicates = deduplicate(list(rows), column)
+    return kept, Counter({**dict(pre), "duplicate": duplicates})
 
 
 def split_of(sample_id: str, eval_fraction: float) -> str:

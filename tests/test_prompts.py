@@ -28,6 +28,7 @@ def _mixed_file(path):
         json.dumps({"question": "wrong column"}).encode(),  # missing column
         json.dumps({"prompt": "word " * 400}).encode(),  # too long
         json.dumps({"prompt": "What is 2 + 2?", "answer": "4"}).encode(),
+        json.dumps({"prompt": "what is  2 + 2? ", "answer": "4"}).encode(),  # a duplicate, normalised
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")
 
@@ -44,6 +45,7 @@ def test_bad_rows_are_counted_by_reason(teacher, tmp_path):
         "too_long": 1,
         "undecodable": 1,
         "missing_column": 1,
+        "duplicate": 1,
     }
     table = read_prompts(ArtifactStore(store), ref)
     assert table.num_rows == 2
@@ -95,3 +97,20 @@ def test_held_out_split_is_stable_and_near_the_fraction(tiny_store):
     table = read_prompts(ArtifactStore(tiny_store), ref, split="eval")
     assert table.num_rows >= 1 and set(table.column("split").to_pylist()) == {"eval"}
     assert cfg.prompts.eval_fraction == 0.15
+
+
+def test_prompts_are_deduplicated_before_the_split(teacher):
+    """The demo's 240 bundled prompts hold 5 repeats; none may sit in both splits (or twice anywhere)."""
+    from a2d.tasks.prompts import normalised_prompt
+
+    store, cfg, tref = teacher
+    spec = cfg.prompts.model_copy(update={"bundled_rows": 240, "rows_per_shard": 60, "eval_fraction": 0.3})
+    ref = prompts_flow(tref, spec, cfg.teacher, store)
+    assert ArtifactStore(store).manifest(ref)["metrics"]["rejected"]["duplicate"] == 5
+    table = read_prompts(ArtifactStore(store), ref).to_pylist()
+    texts = {
+        split: [normalised_prompt(r["prompt_text"]) for r in table if r["split"] == split]
+        for split in ("train", "eval")
+    }
+    assert len(table) == 235 and len(set(texts["train"] + texts["eval"])) == 235
+    assert not set(texts["eval"]) & set(texts["train"]) and texts["eval"]
