@@ -13,6 +13,10 @@ FOLDERS = ("specs", "models", "stores", "tasks", "flows", "deployments")
 
 
 def test_the_wheel_installs_only_the_a2d_namespace(tmp_path):
+    # Built from a copy: an in-tree build would leave build/ behind in the checkout.
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns(".git", ".venv", "a2d-store", "build", "*.egg-info", "__pycache__", "tests")
+    shutil.copytree(ROOT, src, ignore=skip)
     subprocess.run(
         [
             sys.executable,
@@ -22,7 +26,7 @@ def test_the_wheel_installs_only_the_a2d_namespace(tmp_path):
             "-q",
             "--no-deps",
             "--no-build-isolation",
-            ROOT,
+            str(src),
             "-w",
             str(tmp_path),
         ],
