@@ -1,18 +1,19 @@
-"""Losses of the diffusion head: masked-diffusion CE (stated alignment, weighting, normaliser) and
-representation alignment between student and teacher residual streams."""
+"""Losses of the diffusion head: masked-diffusion CE (stated weighting and normaliser), d3LLM's
+entropy-on-correct sharpening term, and mean-centred representation alignment."""
 
 from __future__ import annotations
 
 import torch
 
 MIN_SNR_GAMMA = 5.0
+SHARPEN_TEMPERATURE = 0.5  # d3LLM: the entropy of correct predictions is taken at temperature 0.5
 
 
 def time_weight(t: torch.Tensor, weighting: str) -> torch.Tensor:
-    """Per-sample weight from the mask ratio t (B,).
+    """Per-row weight from the mask ratio t (R,).
 
     none: 1; inv_t: 1/t (the MDLM ELBO weight); min_snr: min(1/t, γ=5), the ELBO weight capped so
-    that nearly-clean samples (small t) cannot dominate, as min-SNR-γ does for Gaussian diffusion.
+    that nearly-clean rows (small t) cannot dominate, as min-SNR-γ does for Gaussian diffusion.
     """
     if weighting == "none":
         return torch.ones_like(t)
@@ -26,44 +27,48 @@ def time_weight(t: torch.Tensor, weighting: str) -> torch.Tensor:
 def masked_diffusion_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    loss_mask: torch.Tensor,
-    supervised: torch.Tensor,
-    t: torch.Tensor,
-    weighting: str,
-    normaliser: str,
+    time_w: torch.Tensor,
+    norm: torch.Tensor,
+    entropy_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """CE over masked positions.
+    """CE over the N masked positions plus `entropy_weight` × entropy of the correct ones.
 
-    logits (N, V) are the predictions for the N rows where `loss_mask` (B, T) is True, in row-major
-    order (the caller selected them, with the logit alignment already applied); targets (B, T);
-    supervised (B, T) marks positions that could be supervised (the denominator for `supervised`);
-    t (B,) the mask ratio per sample.
+    logits (N, V) predict targets (N,); time_w (N,) is each position's row weight from its t;
+    norm (N,) is 1 / the normaliser of the view the position belongs to (its masked or its
+    supervised count), so a primary view and its complement each average to one term.
+    Sharpening: the entropy of softmax(logits / 0.5) at positions already predicted right, with the
+    same normaliser; it pushes confident-and-correct positions over a decoder's threshold (d3LLM).
     """
-    b_idx, _ = loss_mask.nonzero(as_tuple=True)
-    ce = torch.nn.functional.cross_entropy(logits.float(), targets[loss_mask], reduction="none")  # (N,)
-    w = time_weight(t.float(), weighting)[b_idx]  # (N,)
-    total = (ce * w).sum()
-    if normaliser == "masked":
-        denom = loss_mask.sum()
-    elif normaliser == "supervised":
-        denom = supervised.sum()
-    else:
-        raise ValueError(f"unknown normaliser {normaliser!r}: use masked or supervised")
-    loss = total / denom.clamp(min=1)
-    with torch.no_grad():
-        acc = (logits.argmax(-1) == targets[loss_mask]).float().mean().item() if len(ce) else 0.0
+    logits = logits.float()
+    ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (N,)
+    loss = (ce * time_w * norm).sum()
+    correct = logits.argmax(-1) == targets  # (N,)
+    entropy = torch.zeros((), device=logits.device)
+    if entropy_weight > 0 and bool(correct.any()):
+        logp = torch.log_softmax(logits[correct] / SHARPEN_TEMPERATURE, dim=-1)
+        entropy = (-(logp.exp() * logp).sum(-1) * norm[correct]).sum()
+        loss = loss + entropy_weight * entropy
+    n = max(len(ce), 1)
     return loss, {
-        "ce": ce.mean().item() if len(ce) else 0.0,
-        "masked_tokens": int(loss_mask.sum()),
-        "masked_acc": acc,
+        "ce": float(ce.detach().sum()) / n,
+        "masked_tokens": len(ce),
+        "masked_acc": float(correct.float().sum()) / n,
+        "sharpen": float(entropy.detach()),
     }
 
 
-def alignment_loss(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
-    """Mean (1 − cosine) over every pair of (n, H) student/teacher states at the same capture point."""
+def alignment_loss(
+    student: list[torch.Tensor], teacher: list[torch.Tensor], centre: list[torch.Tensor]
+) -> torch.Tensor:
+    """Mean (1 − cosine) between mean-centred student and teacher states at the same capture point.
+
+    Each entry is (n, H) states of one layer; `centre` is that layer's teacher mean (H,). Raw
+    residual streams share a large common offset (two unrelated tokens have cosine 0.3-0.7), so an
+    uncentred cosine rewards matching the offset; centred, unrelated tokens have cosine ≈ 0.
+    """
     terms = [
-        1.0 - torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1)
-        for s, t in zip(student, teacher, strict=True)
+        1.0 - torch.nn.functional.cosine_similarity((s.float() - c), (t.float() - c), dim=-1)
+        for s, t, c in zip(student, teacher, centre, strict=True)
     ]
     flat = torch.cat(terms) if terms else torch.zeros(0)
     return flat.mean() if flat.numel() else torch.zeros(())

@@ -134,13 +134,29 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+BOOTSTRAP_RESAMPLES = 1000
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:
+    """Percentile bootstrap 95 % interval of the mean of per-sample `values` (fixed seed: reproducible)."""
+    import random
+
+    if not values:
+        raise ValueError("bootstrap_ci needs at least one value")
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return [means[int(0.025 * (resamples - 1))], means[int(math.ceil(0.975 * (resamples - 1)))]]
+
+
 def summarise_sampler(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Aggregate per-sample decode records of one sampler into speed and quality numbers.
 
     Each record has `tokens`, `teacher_tokens`, `forwards`, `seconds` and `correct` (bool or None
     when the task has no checkable answer). TPF and tokens/s are ratios of totals, not means of
     ratios, so long samples weigh by their length as in d3LLM; the quality metrics are means over
-    samples. tokens_per_s is None when no time was recorded.
+    samples, each with a bootstrap 95 % interval (`ci95`). tokens_per_s is None when no time was
+    recorded; `mean_accepted` is the mean tokens gained per forward of a speculative sampler.
     """
     if not records:
         raise ValueError("summarise_sampler needs at least one record")
@@ -149,13 +165,21 @@ def summarise_sampler(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     total_seconds = sum(float(r["seconds"]) for r in records)
     if total_forwards <= 0:
         raise ValueError(f"records report {total_forwards} forwards in total; TPF is undefined")
-    judged = [bool(r["correct"]) for r in records if r.get("correct") is not None]
+    judged = [float(bool(r["correct"])) for r in records if r.get("correct") is not None]
+    agreement = [token_agreement(r["tokens"], r["teacher_tokens"]) for r in records]
+    exact = [float(exact_match(r["tokens"], r["teacher_tokens"])) for r in records]
+    rounds = [a for r in records for a in r.get("accepted") or []]
+    ci = {"token_agreement": bootstrap_ci(agreement), "exact_match": bootstrap_ci(exact)}
+    if judged:
+        ci["answer_accuracy"] = bootstrap_ci(judged)
     return {
         "tpf": total_tokens / total_forwards,
         "tokens_per_s": total_tokens / total_seconds if total_seconds > 0 else None,
-        "token_agreement": _mean([token_agreement(r["tokens"], r["teacher_tokens"]) for r in records]),
-        "exact_match": _mean([float(exact_match(r["tokens"], r["teacher_tokens"])) for r in records]),
-        "answer_accuracy": _mean([float(c) for c in judged]) if judged else None,
+        "token_agreement": _mean(agreement),
+        "exact_match": _mean(exact),
+        "answer_accuracy": _mean(judged) if judged else None,
         "repetition_rate": _mean([repetition_rate(r["tokens"]) for r in records]),
+        "mean_accepted": _mean(rounds) if rounds else None,
         "samples": len(records),
+        "ci95": ci,
     }

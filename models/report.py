@@ -19,13 +19,18 @@ from a2d.models.metrics import group_families
 NONE_MARK = "—"
 
 # (header, summary key, format); the single source of the sampler table for Markdown and text.
+# A key "ci95.<metric>" is that metric's bootstrap 95 % interval, shown as lo–hi.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TPF", "tpf", "{:.2f}"),
     ("tokens/s", "tokens_per_s", "{:.2f}"),
     ("token agreement", "token_agreement", "{:.3f}"),
+    ("95% CI", "ci95.token_agreement", "{:.2f}"),
     ("exact match", "exact_match", "{:.3f}"),
     ("answer accuracy", "answer_accuracy", "{:.3f}"),
+    ("95% CI", "ci95.answer_accuracy", "{:.2f}"),
     ("repetition", "repetition_rate", "{:.3f}"),
+    ("accepted/fwd", "mean_accepted", "{:.2f}"),
+    ("≠ base", "mismatches_vs_student_base", "{:d}"),
     ("samples", "samples", "{:d}"),
 )
 
@@ -46,9 +51,21 @@ def _fmt(value: Any, spec: str) -> str:
     return spec.format(int(value) if spec == "{:d}" else float(value))
 
 
+def _cell(summary: Mapping[str, Any], key: str, spec: str) -> str:
+    if key.startswith("ci95."):
+        ci = (summary.get("ci95") or {}).get(key.split(".", 1)[1])
+        return NONE_MARK if ci is None else f"{_fmt(ci[0], spec)}–{_fmt(ci[1], spec)}"
+    return _fmt(summary.get(key), spec)
+
+
+def ran(samplers: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The samplers that ran (a skipped one carries only the reason it was skipped)."""
+    return {name: s for name, s in samplers.items() if "tpf" in s}
+
+
 def _rows(samplers: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
-    """The sampler table as strings: one row per sampler, name first, then COLUMNS."""
-    return [[name, *(_fmt(s.get(key), spec) for _, key, spec in COLUMNS)] for name, s in samplers.items()]
+    """The sampler table as strings: one row per sampler that ran, name first, then COLUMNS."""
+    return [[name, *(_cell(s, key, spec) for _, key, spec in COLUMNS)] for name, s in ran(samplers).items()]
 
 
 def _md_cell(text: str) -> str:
@@ -92,6 +109,8 @@ def markdown_report(
     lines += [f"- **{key}**: {value}" for key, value in meta.items()] or ["- (no metadata)"]
     lines += ["", "## Samplers", ""]
     lines += _md_table(["sampler", *(h for h, _, _ in COLUMNS)], _rows(samplers))
+    skipped = [f"- {name}: skipped ({s['skipped']})" for name, s in samplers.items() if "skipped" in s]
+    lines += ["", *skipped] if skipped else []
     lines += ["", "## AUP by family", ""]
     aup_rows = [
         [family, _fmt(value, "{:.2f}"), ", ".join(families.get(family, [])) or NONE_MARK]
@@ -111,6 +130,7 @@ def plot_speed_quality(samplers: Mapping[str, Mapping[str, Any]], path: str) -> 
     Circles are token agreement with the teacher; squares are answer accuracy where a sampler has it.
     A family's points are joined in order of TPF so each line is that family's speed-quality curve.
     """
+    samplers = ran(samplers)
     fig = Figure(figsize=(7.5, 5.0), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

@@ -1,25 +1,27 @@
 """The diffusion student: teacher weights (NF4 or bf16/fp32) + LoRA on every projection + a trained
-mask-token embedding, run with an explicit attention mode.
+mask-token embedding, run on the decode state (`a2d.models.attention` says what each position sees).
 
-Attention modes (DESIGN §3 head):
-- `bidirectional`: every token sees every real token.
-- `block`: bidirectional inside a block of `block_size` tokens, causal across blocks (BD3LM-style).
-Hybrid models (Gated DeltaNet layers in qwen3_5) also state `linear_attention`:
-- `causal`: the recurrent scan stays left-to-right (a token sees later tokens only through the
-  full-attention layers).
-- `bidirectional`: the scan also runs over the reversed sequence (inside each block in `block`
-  mode) and adds it through a learned per-layer gate initialised at zero, so the untrained student
-  equals the teacher.
+- `attention: block` (default): the prompt and committed tokens are a causal prefix and the open
+  block attends to the prefix and to itself; `bidirectional`: every token sees every token (full
+  A2D conversion, no exact cache).
+- `adapter_scope: masked` (default): the adapter acts only at open positions, so every prefix
+  position computes the base model exactly; `all`: the adapter acts everywhere.
+- Hybrid models (Gated DeltaNet layers in qwen3_5) state `linear_attention`: `causal` keeps the
+  scan left to right; `bidirectional` adds a reversed scan over the open block through a learned
+  per-layer gate initialised at zero, so the untrained student equals the teacher.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from a2d.models.attention import BidirectionalScan, Scope, attention_masks, position_ids
 from a2d.models.teacher import decoder_layers
 
 log = logging.getLogger("a2d")
@@ -47,80 +49,24 @@ def has_linear_attention(model: nn.Module) -> bool:
     return any(hasattr(layer, "linear_attn") for layer in decoder_layers(model))
 
 
-class BidirectionalScan(nn.Module):
-    """Wraps a causal linear-attention module: forward scan + tanh(gate) · reversed scan."""
-
-    def __init__(self, inner: nn.Module, block_size: int | None):
-        super().__init__()
-        self.inner = inner
-        self.block_size = block_size
-        self.gate = nn.Parameter(torch.zeros(()))
-
-    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
-        fwd = self.inner(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        if attention_mask is not None:
-            hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
-        if self.block_size is None:
-            bwd = self.inner(hidden_states=hidden_states.flip(1), cache=None, attention_mask=None).flip(1)
-        else:
-            b, t, h = hidden_states.shape
-            pad = (-t) % self.block_size
-            xp = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))  # (B, T', H)
-            blocks = xp.reshape(b * (t + pad) // self.block_size, self.block_size, h).flip(1)
-            out = self.inner(hidden_states=blocks, cache=None, attention_mask=None).flip(1)
-            bwd = out.reshape(b, t + pad, h)[:, :t]
-        return fwd + torch.tanh(self.gate).to(fwd.dtype) * bwd
-
-
-def wrap_linear_attention(model: nn.Module, block_size: int | None) -> int:
-    """Make every linear-attention layer bidirectional; returns how many were wrapped."""
-    n = 0
-    for layer in decoder_layers(model):
-        if hasattr(layer, "linear_attn") and not isinstance(layer.linear_attn, BidirectionalScan):
-            layer.linear_attn = BidirectionalScan(layer.linear_attn, block_size)
-            n += 1
-    return n
-
-
-def attention_mask(
-    model: nn.Module, pad_mask: torch.Tensor, mode: str, block_size: int, dtype: torch.dtype
-) -> torch.Tensor | dict[str, torch.Tensor | None]:
-    """The mask for a student forward: a 4D additive mask, or a per-layer-type dict for hybrids.
-
-    pad_mask (B, T) is 1 for real tokens. Full-attention layers get (B, 1, T, T) with 0 where a
-    query may attend and the dtype minimum elsewhere; linear-attention layers get the 2D padding mask.
-    """
-    b, t = pad_mask.shape
-    idx = torch.arange(t, device=pad_mask.device)
-    if mode == "bidirectional":
-        allowed = torch.ones(t, t, dtype=torch.bool, device=pad_mask.device)
-    elif mode == "block":
-        allowed = (idx[None, :] // block_size) <= (
-            idx[:, None] // block_size
-        )  # (T, T): key block <= query block
-    else:
-        raise ValueError(f"unknown attention mode {mode!r}: use bidirectional or block")
-    allowed = allowed[None] & pad_mask.bool()[:, None, :]  # (B, T, T)
-    allowed = allowed | torch.eye(t, dtype=torch.bool, device=pad_mask.device)[None]  # no empty rows
-    full = torch.zeros(b, 1, t, t, dtype=dtype, device=pad_mask.device)
-    full.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    if has_linear_attention(model):
-        linear = None if bool(pad_mask.all()) else pad_mask
-        return {"full_attention": full, "linear_attention": linear}
-    return full
-
-
 class MaskEmbedding(nn.Module):
-    """A trained embedding for the mask token, injected after the (frozen) input embedding."""
+    """A trained embedding for the mask token, injected after the (frozen) input embedding at the
+    open positions only: a committed token that happens to share the id (a tiny random base can
+    predict an unused row) stays the base model's own token."""
 
-    def __init__(self, init: torch.Tensor, mask_id: int):
+    def __init__(self, init: torch.Tensor, mask_id: int, scope: Scope):
         super().__init__()
         self.weight = nn.Parameter(init.detach().clone().float())  # (H,)
         self.mask_id = mask_id
+        self.scope = scope
 
     def hook(self, _module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         ids = inputs[0]  # (B, T)
-        return torch.where((ids == self.mask_id)[..., None], self.weight.to(output.dtype), output)
+        opened = self.scope.open
+        if opened is None or opened.shape != ids.shape:
+            return output  # plain generation: no open positions
+        where = (ids == self.mask_id) & opened
+        return torch.where(where[..., None], self.weight.to(output.dtype), output)
 
 
 @dataclass
@@ -159,21 +105,46 @@ class Student:
     tok: object
     mask: MaskEmbedding
     info: StudentInfo
+    scope: Scope
+    attention: str  # "block" | "bidirectional"
+    block_size: int
+
+    @property
+    def inner(self) -> nn.Module:
+        """The CausalLM with the LoRA layers injected."""
+        return self.model.get_base_model()
+
+    @property
+    def hybrid(self) -> bool:
+        return has_linear_attention(self.inner)
 
     def extras(self) -> dict[str, torch.Tensor]:
         """Trained tensors outside the LoRA adapter: the mask embedding and the scan gates."""
-        out = {"mask_embedding": self.mask.weight}
-        for i, layer in enumerate(decoder_layers(self.model.get_base_model())):
-            if isinstance(getattr(layer, "linear_attn", None), BidirectionalScan):
-                out[f"scan_gate.{i}"] = layer.linear_attn.gate
-        return out
+        return {"mask_embedding": self.mask.weight, **scan_gates(self.inner)}
 
     def load_extras(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             self.mask.weight.copy_(tensors["mask_embedding"])
-            for i, layer in enumerate(decoder_layers(self.model.get_base_model())):
-                if f"scan_gate.{i}" in tensors:
-                    layer.linear_attn.gate.copy_(tensors[f"scan_gate.{i}"])
+            for name, gate in scan_gates(self.inner).items():
+                if name in tensors:
+                    gate.copy_(tensors[name])
+
+    @contextlib.contextmanager
+    def base(self) -> Iterator[nn.Module]:
+        """The student's base model (adapters off, no open positions): plain causal generation."""
+        self.scope.clear()
+        with self.model.disable_adapter():
+            yield self.inner
+
+
+def scan_gates(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The reverse-scan gates of a student's layers, named `scan_gate.<layer>`."""
+    out = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        scan = getattr(layer, "linear_attn", None)
+        if isinstance(scan, BidirectionalScan) and scan.gate is not None:
+            out[f"scan_gate.{i}"] = scan.gate
+    return out
 
 
 def build_student(
@@ -185,8 +156,10 @@ def build_student(
     attention: str,
     linear_attention: str,
     block_size: int,
+    adapter_scope: str = "masked",
     gradient_checkpointing: bool = False,
     adapter_dir=None,
+    trust_remote_code: bool = False,
 ) -> Student:
     """Load the teacher from `teacher_dir` (NF4 or `dtype`) and make it a student (see `make_student`).
 
@@ -199,7 +172,7 @@ def build_student(
     if fallback is not None:
         log.warning("NF4 is not available (%s); loading the base in %s instead", fallback, dtype)
         quantization = "none"
-    model, tok = load_teacher(teacher_dir, dtype, quantization, device)
+    model, tok = load_teacher(teacher_dir, dtype, quantization, device, trust_remote_code)
     student = make_student(
         model,
         tok,
@@ -208,6 +181,7 @@ def build_student(
         attention,
         linear_attention,
         block_size,
+        adapter_scope,
         gradient_checkpointing,
         adapter_dir,
     )
@@ -234,6 +208,7 @@ def make_student(
     attention: str,
     linear_attention: str,
     block_size: int,
+    adapter_scope: str = "masked",
     gradient_checkpointing: bool = False,
     adapter_dir=None,
 ) -> Student:
@@ -242,11 +217,19 @@ def make_student(
 
     from a2d.models.teacher import disable_cpu_nf4_packing
 
+    if attention not in ("block", "bidirectional"):
+        raise ValueError(f"unknown attention mode {attention!r}: use block or bidirectional")
+    if adapter_scope not in ("masked", "all"):
+        raise ValueError(f"unknown adapter_scope {adapter_scope!r}: use masked or all")
     disable_cpu_nf4_packing(model, everywhere=True)
     mask_id, _ = mask_token_id(tok, model)
+    scope = Scope(masked=adapter_scope == "masked")
     scans = 0
-    if linear_attention == "bidirectional" and has_linear_attention(model):
-        scans = wrap_linear_attention(model, block_size if attention == "block" else None)
+    reverse = linear_attention == "bidirectional"
+    for layer in decoder_layers(model):  # every Gated DeltaNet layer: decode-cache segments, maybe a reverse scan
+        if hasattr(layer, "linear_attn") and not isinstance(layer.linear_attn, BidirectionalScan):
+            layer.linear_attn = BidirectionalScan(layer.linear_attn, scope, reverse)
+            scans += int(reverse)
     names, expected = linear_targets(model)
     if quantization == "nf4":
         model = prepare_model_for_kbit_training(
@@ -270,36 +253,73 @@ def make_student(
             task_type="CAUSAL_LM",
         )
         peft_model = get_peft_model(model, config)
-    matched = sum(1 for _, m in peft_model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A) > 0)
-    if matched != expected:
+    lora_layers = [m for _, m in peft_model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A) > 0]
+    if len(lora_layers) != expected:
         raise RuntimeError(
-            f"LoRA matched {matched} modules but the decoder layers hold {expected} projections ({names}): "
-            "some projections would silently stay untrained"
+            f"LoRA matched {len(lora_layers)} modules but the decoder layers hold {expected} projections "
+            f"({names}): some projections would silently stay untrained"
         )
+    if scope.masked:  # every LoRA delta is gated by the open positions of the current forward
+        for layer in lora_layers:
+            for b in layer.lora_B.values():
+                b.register_forward_hook(scope.lora_hook)
     embed = peft_model.get_input_embeddings()
-    mask = MaskEmbedding(embed.weight.float().mean(0), mask_id).to(embed.weight.device)
+    mask = MaskEmbedding(embed.weight.float().mean(0), mask_id, scope).to(embed.weight.device)
     embed.register_forward_hook(mask.hook)
-    for layer in decoder_layers(peft_model.get_base_model()):
-        if isinstance(getattr(layer, "linear_attn", None), BidirectionalScan):
-            layer.linear_attn.gate.requires_grad_(adapter_dir is None)
-    info = StudentInfo(mask_id, matched, names, scans, quantization)
-    return Student(peft_model, tok, mask, info)
+    for gate in scan_gates(peft_model.get_base_model()).values():
+        gate.requires_grad_(adapter_dir is None)
+    info = StudentInfo(mask_id, len(lora_layers), names, scans, quantization)
+    return Student(peft_model, tok, mask, info, scope, attention, block_size)
 
 
-def student_hidden(
-    student: Student, input_ids: torch.Tensor, pad_mask: torch.Tensor, attention: str, block_size: int
-):
-    """Final-norm hidden states (B, T, H) of the student under its attention mode."""
-    inner = student.model.get_base_model()  # the CausalLM with LoRA layers injected
-    dtype = next(p for p in inner.parameters() if p.is_floating_point()).dtype
-    dtype = torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
-    mask = attention_mask(inner, pad_mask, attention, block_size, dtype)
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The float dtype masks are built in (NF4 weights report uint8: use fp32 then)."""
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+
+
+def student_forward(
+    student: Student,
+    input_ids: torch.Tensor | None,
+    pad: torch.Tensor,
+    open_: torch.Tensor,
+    cache=None,
+    inputs_embeds: torch.Tensor | None = None,
+    segments: list[int] | None = None,
+) -> torch.Tensor:
+    """Final-norm hidden states (B, T, H) of one student forward over T new tokens.
+
+    pad (B, T) marks real tokens (rows left-padded); open_ (B, T) the open positions, a suffix of
+    each row. With `cache` (a transformers Cache holding the committed prefix), the T tokens follow
+    the cached ones and the cache is updated: the caller crops what must not stay. `segments` (with
+    a cache) are the lengths of the clean prefix's parts after which linear-attention states are
+    saved for a rollback (see `BidirectionalScan`).
+    """
+    inner = student.inner
+    past = cache.get_seq_length() if cache is not None else 0
+    mode = student.attention
+    if mode == "bidirectional":
+        window = pad.shape[1]
+        open_ = pad.bool()
+    else:
+        window = int(open_.sum(1).max()) if open_.numel() else 0
+    gate = open_.to(compute_dtype(inner)) if student.scope.masked else torch.ones_like(pad, dtype=torch.float32)
+    student.scope.set(open_, window, gate, segments if cache is not None else None)
+    mask = attention_masks(pad, open_, mode, compute_dtype(inner), past, student.hybrid)
     decoder = getattr(inner, inner.base_model_prefix)
-    return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    out = decoder(
+        input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
+        attention_mask=mask,
+        position_ids=position_ids(pad, past),
+        cache=cache,
+        use_cache=cache is not None,
+    )
+    return out.last_hidden_state
 
 
 def lm_head(student: Student) -> nn.Module:
-    return student.model.get_base_model().get_output_embeddings()
+    return student.inner.get_output_embeddings()
 
 
 def lora_parameters(student: Student) -> dict[str, torch.nn.Parameter]:

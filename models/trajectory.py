@@ -1,4 +1,5 @@
-"""Teacher pseudo-trajectories (d3LLM style) stored as one unmask step per token, and the curriculum views drawn from them.
+"""Teacher pseudo-trajectories (d3LLM style) stored as one unmask step per token (the training views
+drawn from them are in `a2d.models.views`).
 
 A trajectory of a response of length L is `unmask_step` (int16, (L,)): position i is committed at
 step unmask_step[i] (1-based). The state after step k shows the token where unmask_step <= k and
@@ -10,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -127,80 +125,6 @@ def mask_ratio_bounds(
     return r_min_start + (r_min_end - r_min_start) * frac, r_max
 
 
-def window_size_at(step: int, total_steps: int, sizes: tuple[int, ...]) -> int:
-    """Window size for a step: sizes[i] during the i-th equal fraction of training."""
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"sizes must be a non-empty tuple of positive ints, got {sizes}")
-    clamped = min(max(step, 0), total_steps)
-    return sizes[min(len(sizes) - 1, clamped * len(sizes) // total_steps)]
-
-
-def view_rng(seed: int, step: int, rank: int, micro_batch: int) -> np.random.Generator:
-    """Generator for one micro-batch; the same four ints give the same masks on any rerun."""
-    return np.random.default_rng(np.random.SeedSequence([seed, step, rank, micro_batch]))
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: field-wise == on arrays has no single truth value
-class MaskView:
-    """Which response positions show the mask token in one training view, and its complement."""
-
-    masked: np.ndarray  # bool (L,): True where the response position shows the mask token
-    complement: np.ndarray  # bool (L,): window flipped; prefix clean; future masked
-    window: tuple[int, int]  # [start, end) over response positions
-    ratio: float  # target mask ratio r inside the window
-    source: str  # "trajectory" or "random"
-
-
-def _masked_count(width: int, ratio: float) -> int:
-    """Masked positions in a window of `width`; shared by both views so they mask equally many."""
-    return int(math.floor(ratio * width + 0.5))
-
-
-def _draw_window(length: int, window: int, ratio: float, rng: np.random.Generator) -> tuple[int, int]:
-    """Validate and draw [start, end): start uniform over [0, max(0, L - window)]."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must lie in [0, 1], got {ratio}")
-    start = int(rng.integers(0, max(0, length - window) + 1))
-    return start, min(length, start + window)
-
-
-def _view(window_masked: np.ndarray, length: int, start: int, ratio: float, source: str) -> MaskView:
-    """Place a window's mask in the full response: prefix clean, future masked."""
-    end = start + window_masked.shape[0]
-    masked = np.zeros(length, dtype=bool)  # (L,)
-    masked[start:end] = window_masked
-    masked[end:] = True
-    complement = masked.copy()  # (L,)
-    complement[start:end] = ~window_masked
-    return MaskView(masked=masked, complement=complement, window=(start, end), ratio=ratio, source=source)
-
-
-def trajectory_view(unmask_step: np.ndarray, window: int, ratio: float, rng: np.random.Generator) -> MaskView:
-    """Teacher state inside a random window when about (1 - ratio) of the window was committed."""
-    unmask_step = np.asarray(unmask_step)
-    length = unmask_step.shape[0]
-    start, end = _draw_window(length, window, ratio, rng)
-    width = end - start
-    # Stable sort by unmask step: positions committed in the same step go left to right.
-    order = np.argsort(unmask_step[start:end], kind="stable")  # (w,)
-    window_masked = np.zeros(width, dtype=bool)  # (w,)
-    window_masked[order[width - _masked_count(width, ratio) :]] = True
-    return _view(window_masked, length, start, ratio, "trajectory")
-
-
-def random_view(length: int, window: int, ratio: float, rng: np.random.Generator) -> MaskView:
-    """Same window logic as trajectory_view, with a uniformly random masked subset."""
-    start, end = _draw_window(length, window, ratio, rng)
-    width = end - start
-    window_masked = np.zeros(width, dtype=bool)  # (w,)
-    window_masked[rng.permutation(width)[: _masked_count(width, ratio)]] = True
-    return _view(window_masked, length, start, ratio, "random")
-
-
 def check_pairing(
     traj_sample_id: str | None,
     traj_response_ids: np.ndarray | None,
@@ -219,47 +143,3 @@ def check_pairing(
     if not np.array_equal(traj_response_ids, response_ids):
         return "ids_mismatch"
     return None
-
-
-@dataclass
-class ViewSampler:
-    """Curriculum views per sample: trajectory masks when paired, random masks (counted) otherwise."""
-
-    seed: int
-    total_steps: int
-    r_min_start: float = 0.0
-    r_min_end: float = 0.8
-    r_max: float = 0.8
-    window_sizes: tuple[int, ...] = (16, 24, 32)
-    fallbacks: Counter[str] = field(default_factory=Counter, init=False)
-
-    def __post_init__(self) -> None:
-        """Validate the schedules once, at construction."""
-        mask_ratio_bounds(0, self.total_steps, self.r_min_start, self.r_min_end, self.r_max)
-        window_size_at(0, self.total_steps, self.window_sizes)
-
-    def view(
-        self,
-        step: int,
-        rank: int,
-        micro_batch: int,
-        index_in_batch: int,
-        sample_id: str,
-        response_ids: np.ndarray,
-        trajectory: dict[str, Any] | None,
-    ) -> MaskView:
-        """Draw r and the window, then mask from the trajectory if it belongs to this response."""
-        # The index_in_batch-th child of view_rng's seed sequence: samples in one micro-batch differ.
-        seq = np.random.SeedSequence([self.seed, step, rank, micro_batch], spawn_key=(index_in_batch,))
-        rng = np.random.default_rng(seq)
-        r_min, r_max = mask_ratio_bounds(step, self.total_steps, self.r_min_start, self.r_min_end, self.r_max)
-        ratio = float(rng.uniform(r_min, r_max))
-        window = window_size_at(step, self.total_steps, self.window_sizes)
-        traj = trajectory or {}
-        reason = check_pairing(
-            traj.get("sample_id"), traj.get("response_ids"), traj.get("unmask_step"), sample_id, response_ids
-        )
-        if reason is None:
-            return trajectory_view(np.asarray(traj["unmask_step"]), window, ratio, rng)
-        self.fallbacks[reason] += 1
-        return random_view(np.asarray(response_ids).shape[0], window, ratio, rng)

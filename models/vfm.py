@@ -5,10 +5,12 @@ completion-position queries, outputs the mean and log-variance of z in the stude
 input-embedding space for each completion position. The trained diffusion student is the flow map:
 [prompt embeddings ; z] → completion logits in ONE forward. Objective:
 
-    CE(teacher response | one-step logits) / (2 τ²) + β · KL(q_φ(z | prompt) ‖ N(0, I))
+    CE(teacher response | one-step logits) / (2 τ²) + β · KL(q_φ(z | prompt) ‖ N(m, I))
 
-with reparameterised z. Generation uses z = mean (or a sample) for K = 1, or K > 1 refinement
-steps that replace z by the embeddings of confidently committed tokens.
+with reparameterised z and the prior centred on m, the mask embedding in z units (where the flow
+map's input lives). The flow map is trained jointly with q_φ by default, as the paper trains it.
+Generation uses z = mean (or a sample) for K = 1, or K > 1 refinement steps (trained by committing
+a random share of true tokens) that replace z by the embeddings of confidently committed tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from a2d.models.student import Student, attention_mask, lm_head
+from a2d.models.student import Student, lm_head, student_forward
 
 
 class NoiseAdapter(nn.Module):
@@ -40,15 +42,18 @@ class NoiseAdapter(nn.Module):
         nn.init.zeros_(self.mu.weight)
         nn.init.zeros_(self.logvar.weight)
         nn.init.constant_(self.logvar.bias, -6.0)  # start nearly deterministic, as castlehill's VFM ran
-        # z lives in units of the embedding matrix's RMS, so that the N(0, I) prior means "noise as
-        # large as a token embedding" whatever the model's embedding scale.
+        # z lives in units of the embedding matrix's RMS, so that the unit-variance prior means
+        # "noise as large as a token embedding" whatever the model's embedding scale.
         self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("prior_mean", torch.zeros(hidden))  # the mask embedding, in z units
 
     def init_mean(self, mask_embedding: torch.Tensor, embedding_rms: float) -> None:
-        """Start z at the mask embedding: the untrained flow map is the student's all-masked one-step decode."""
+        """Centre z and its prior on the mask embedding: the untrained flow map is the student's
+        all-masked one-step decode, and the prior sits where the flow map's input lives."""
         with torch.no_grad():
             self.scale.fill_(embedding_rms)
-            self.mu.bias.copy_(mask_embedding.float() / embedding_rms)
+            self.prior_mean.copy_(mask_embedding.float() / embedding_rms)
+            self.mu.bias.copy_(self.prior_mean)
 
     def embed(self, z: torch.Tensor) -> torch.Tensor:
         """Normalised z (B, L, H) -> the student's input-embedding space."""
@@ -80,41 +85,40 @@ class NoiseAdapter(nn.Module):
         return adapter
 
 
-def kl_standard_normal(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
-    """KL(N(mu, σ²) ‖ N(0, I)) summed over the embedding dim, averaged over positions: (B, L, H) -> ()."""
-    return 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(-1).mean()
+def kl_to_prior(mu: torch.Tensor, logvar: torch.Tensor, prior_mean: torch.Tensor) -> torch.Tensor:
+    """KL(N(mu, σ²) ‖ N(prior_mean, I)) summed over the embedding dim, averaged over positions: (B, L, H) -> ().
+
+    The prior is centred on the mask embedding (in z units): where the flow map's input lives, so
+    "no information" costs nothing and a z that moves away from the mask pays for it.
+    """
+    return 0.5 * ((mu - prior_mean).pow(2) + logvar.exp() - 1.0 - logvar).sum(-1).mean()
 
 
 def prompt_states(student: Student, prompt_ids: torch.Tensor, prompt_pad: torch.Tensor) -> torch.Tensor:
-    """The frozen student's final hidden states over the prompt alone (B, P, H), bidirectional."""
-    inner = student.model.get_base_model()
-    decoder = getattr(inner, inner.base_model_prefix)
-    mask = attention_mask(inner, prompt_pad, "bidirectional", 1, torch.float32)
+    """The student's base model's final hidden states over the prompt alone (B, P, H), causal.
+
+    No position is open, so under `adapter_scope: masked` this is the base model exactly (the same
+    states a decoder's prefill computes).
+    """
     with torch.no_grad():
-        return decoder(input_ids=prompt_ids, attention_mask=mask, use_cache=False).last_hidden_state
+        return student_forward(student, prompt_ids, prompt_pad, torch.zeros_like(prompt_pad, dtype=torch.bool))
 
 
 def flow_map_logits(
-    student: Student,
-    prompt_ids: torch.Tensor,
-    prompt_pad: torch.Tensor,
-    z: torch.Tensor,
-    attention: str,
-    block_size: int,
-    shifted: bool,
+    student: Student, prompt_ids: torch.Tensor, prompt_pad: torch.Tensor, z: torch.Tensor, shifted: bool
 ) -> torch.Tensor:
     """One student forward over [prompt embeddings ; z] -> logits (B, L, V) for the completion positions.
 
-    Prompts are left-padded so every completion starts at the same column.
+    Prompts are left-padded, so every completion starts at the same column; the z positions are the
+    open block (they attend to the prompt and to each other; the prompt is a causal prefix).
     """
-    inner = student.model.get_base_model()
-    embed = inner.get_input_embeddings()
-    prompt_emb = embed(prompt_ids)  # (B, P, H); the mask hook leaves real tokens untouched
+    embed = student.inner.get_input_embeddings()
+    prompt_emb = embed(prompt_ids)  # (B, P, H); prompts hold no mask token
     x = torch.cat([prompt_emb, z.to(prompt_emb.dtype)], dim=1)  # (B, P + L, H)
-    pad = torch.cat([prompt_pad, torch.ones(z.shape[:2], dtype=prompt_pad.dtype, device=z.device)], dim=1)
-    mask = attention_mask(inner, pad, attention, block_size, torch.float32)
-    decoder = getattr(inner, inner.base_model_prefix)
-    hidden = decoder(inputs_embeds=x, attention_mask=mask, use_cache=False).last_hidden_state  # (B, P+L, H)
+    ones = torch.ones(z.shape[:2], dtype=prompt_pad.dtype, device=z.device)
+    pad = torch.cat([prompt_pad, ones], dim=1)
+    open_ = torch.cat([torch.zeros_like(prompt_pad, dtype=torch.bool), ones.bool()], dim=1)
+    hidden = student_forward(student, None, pad, open_, inputs_embeds=x)  # (B, P + L, H)
     p, length = prompt_ids.shape[1], z.shape[1]
     rows = hidden[:, p - 1 : p - 1 + length] if shifted else hidden[:, p : p + length]
     return lm_head(student)(rows)  # (B, L, V)
@@ -128,46 +132,48 @@ def vfm_generate(
     length: int,
     steps: int,
     eos_ids: list[int],
-    attention: str,
-    block_size: int,
     shifted: bool,
     sample: bool = False,
     seed: int = 0,
 ) -> tuple[list[int], int]:
-    """K-step VFM decoding of one prompt; returns (tokens up to and including EOS, forwards)."""
+    """K-step VFM decoding of one prompt; returns (tokens up to and including EOS, forwards).
+
+    Forwards: the prompt forward that conditions q(z | prompt), then one flow-map forward per step.
+    """
     device = next(adapter.parameters()).device
     ids = torch.tensor([prompt], device=device)
     pad = torch.ones_like(ids)
     mu, logvar = adapter(prompt_states(student, ids, pad), pad, length)
+    forwards = 1
     z = mu
     if sample:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         z = mu + (0.5 * logvar).exp() * torch.randn(mu.shape, generator=gen).to(device)
     z = adapter.embed(z)
-    embed = student.model.get_base_model().get_input_embeddings()
+    embed = student.inner.get_input_embeddings()
     committed = torch.zeros(length, dtype=torch.bool, device=device)
     tokens = torch.zeros(length, dtype=torch.long, device=device)
-    forwards = 0
+    eos = set(eos_ids)
     for k in range(steps):
-        logits = flow_map_logits(student, ids, pad, z, attention, block_size, shifted)[0].float()  # (L, V)
+        logits = flow_map_logits(student, ids, pad, z, shifted)[0].float()  # (L, V)
         logits[:, student.info.mask_id] = float("-inf")
         forwards += 1
         conf, pred = torch.softmax(logits, -1).max(-1)
         open_ = ~committed
         remaining = int(open_.sum())
-        if remaining == 0:
-            break
-        n = (
-            remaining if k == steps - 1 else max(1, -(-remaining // (steps - k)))
-        )  # ceil share of what is left
+        n = remaining if k == steps - 1 else max(1, -(-remaining // (steps - k)))  # ceil share of what is left
         order = torch.where(open_, conf, torch.full_like(conf, -1.0)).argsort(descending=True)[:n]
         tokens[order] = pred[order]
         committed[order] = True
         z = z.clone()
         z[0, order] = embed(pred[order]).to(z.dtype)  # committed positions become real tokens
+        # Stop once EOS is committed with every earlier position committed: later steps change nothing kept.
+        hits = [i for i, t in enumerate(tokens.tolist()) if committed[i] and t in eos]
+        if hits and bool(committed[: hits[0]].all()):
+            break
     out = []
     for t in tokens.tolist():
         out.append(t)
-        if t in eos_ids:
+        if t in eos:
             break
     return out, forwards

@@ -174,13 +174,21 @@ class HeadSpec(Spec):
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha")
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha/sqrt(r)")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
-    attention: Literal["bidirectional", "block"] = Field(
-        "bidirectional", description="Attention mode of the student"
+    attention: Literal["block", "bidirectional"] = Field(
+        "block",
+        description="block: causal prefix + open block (the decode state); bidirectional: full A2D conversion",
+    )
+    adapter_scope: Literal["masked", "all"] = Field(
+        "masked",
+        description="masked: LoRA, mask embedding and reverse scan act only in the open block, so every "
+        "committed position is the base model exactly; all: everywhere",
     )
     linear_attention: Literal["causal", "bidirectional"] = Field(
         "bidirectional", description="Hybrid models: linear-attention scan direction(s)"
     )
-    block_size: int = Field(32, ge=1, le=8192, description="Block size for block attention and decoding")
+    block_size: int = Field(
+        32, ge=1, le=8192, description="Open-block size, the same for training and decoding (diffusion_spec.json)"
+    )
     logit_alignment: Literal["shifted", "aligned"] = Field(
         "shifted", description="shifted: logits at i predict token i+1 (AR-style); aligned: token i"
     )
@@ -190,9 +198,11 @@ class HeadSpec(Spec):
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="uniform: smallest mask ratio")
     r_min_start: float = Field(0.0, ge=0.0, le=1.0, description="trajectory: lower bound of r at the start")
     r_min_end: float = Field(0.8, ge=0.0, le=1.0, description="trajectory: lower bound of r at the end")
-    r_max: float = Field(0.8, gt=0.0, le=1.0, description="trajectory: upper bound of r")
-    window_sizes: tuple[int, ...] = Field((16, 24, 32), description="trajectory: window size schedule")
-    complementary: bool = Field(True, description="Also train on the complementary mask")
+    r_max: float = Field(1.0, gt=0.0, le=1.0, description="trajectory: upper bound of r (decode blocks start at 1)")
+    complementary: bool = Field(True, description="Also train on the complementary mask (its own t)")
+    entropy_weight: float = Field(
+        0.1, ge=0.0, le=100.0, description="Weight of d3LLM's entropy-on-correct sharpening term (0 disables)"
+    )
     weighting: Literal["none", "inv_t", "min_snr"] = Field("none", description="Per-sample CE weight from t")
     normaliser: Literal["masked", "supervised"] = Field(
         "masked", description="Divide by masked or supervised tokens"
@@ -201,7 +211,10 @@ class HeadSpec(Spec):
     align_schedule: Literal["constant", "linear_decay"] = Field("constant", description="λ(step)")
     align_layers: int = Field(4, ge=1, le=1024, description="Stored layers sampled per step for alignment")
     align_token_fraction: float = Field(
-        0.25, gt=0.0, le=1.0, description="Share of tokens aligned per sample"
+        1.0, gt=0.0, le=1.0, description="Share of a view's masked tokens aligned"
+    )
+    align_from: float = Field(
+        0.75, ge=0.0, lt=1.0, description="Only layers at or past this share of the depth are aligned (late layers)"
     )
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps")
     micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per micro-batch per process")
@@ -231,14 +244,17 @@ class VFMSpec(Spec):
     beta: float = Field(1e-4, ge=0.0, description="KL weight at the end of its warmup")
     beta_warmup: float = Field(0.5, ge=0.0, le=1.0, description="Share of steps over which β ramps from 0")
     refine_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Max share of true tokens committed in refinement training"
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="Max share of true tokens committed in refinement training (trains K > 1 steps; 0 = K = 1 only)",
     )
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps")
     micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per step")
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate")
     seed: int = Field(0, ge=0, description="Seed of data order and noise")
     tune_lora: bool = Field(
-        False, description="Also train the flow map's LoRA adapters (joint tuning); off keeps the head frozen"
+        True, description="Train the flow map's LoRA adapters jointly with q(z | prompt), as the paper does"
     )
     lora_lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate of the LoRA adapters when tuned")
 
@@ -246,9 +262,10 @@ class VFMSpec(Spec):
 class EvalSpec(Spec):
     """What the eval stage measures on held-out prompts; part of the eval key."""
 
-    max_samples: int = Field(24, ge=1, le=100_000, description="Held-out prompts evaluated (eval split only)")
+    max_samples: int | None = Field(
+        None, ge=1, le=100_000, description="Held-out prompts evaluated (eval split only); unset = every one"
+    )
     max_new_tokens: int = Field(32, ge=1, le=8192, description="Completion budget for every sampler")
-    block_size: int = Field(8, ge=1, le=8192, description="Block size of the parallel decoders")
     thresholds: tuple[float, ...] = Field(
         (0.9, 0.7, 0.5), description="Confidence thresholds of the head sampler"
     )
@@ -256,5 +273,5 @@ class EvalSpec(Spec):
     vfm_steps: tuple[int, ...] = Field((1, 2, 4), description="VFM refinement steps K")
     untrained_baseline: bool = Field(
         True,
-        description="Also decode with the untrained student (same base, no adapter) in one forward, like head:k1",
+        description="Also decode with the untrained student (same base, fresh adapter) one block per forward, like head:k1",
     )

@@ -165,6 +165,33 @@ class AnchorReader:
         w = self._index[sample_id]
         return self._decode(self._group(w.shard), slice(w.start, w.end), self._layer_pos(layers))
 
+    def at(self, sample_id: str, layers: list[int], positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """The stored states of one sample at the given absolute token positions (those stored).
+
+        Returns (positions found (k,), float32 (k, len(layers), H)); positions without anchors (EOS
+        padding past the response, prompt tokens under `tokens: response`) are left out.
+        """
+        w = self._index[sample_id]
+        g = self._group(w.shard)
+        stored = g["positions"][w.start : w.end]
+        rows = np.flatnonzero(np.isin(stored, positions))
+        return stored[rows], self._decode(g, w.start + rows, self._layer_pos(layers))
+
+    def layer_means(self, layers: list[int], samples: int = 64) -> torch.Tensor:
+        """Mean stored state per layer over the first `samples` samples: float32 (len(layers), H)."""
+        pos = self._layer_pos(layers)
+        total, count = None, 0
+        for sid in self.sample_ids[:samples]:
+            w = self._index[sid]
+            if w.end == w.start:
+                continue
+            h = self._decode(self._group(w.shard), slice(w.start, w.end), pos)  # (n, L, H)
+            total = h.sum(0) if total is None else total + h.sum(0)
+            count += h.shape[0]
+        if total is None:
+            raise AnchorMismatchError(f"the anchors at {self.loc.uri} hold no tokens to average")
+        return total / count
+
     def scalars(self, sample_id: str) -> dict[str, np.ndarray]:
         """positions, confidence and entropy of one sample's stored tokens."""
         w = self._index[sample_id]

@@ -7,14 +7,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from prefect import task
 from tqdm import tqdm
 
 from a2d.models.generate import eos_ids, generate_batch
 from a2d.models.metrics import family_aup, summarise_sampler
 from a2d.models.report import markdown_report, plot_speed_quality, text_table
-from a2d.models.sampler import threshold_decode
-from a2d.models.student import build_student
+from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
+from a2d.models.student import Student, build_student
 from a2d.models.teacher import resolve_device
 from a2d.models.vfm import vfm_generate
 from a2d.specs import EvalSpec
@@ -29,16 +30,25 @@ from a2d.tasks.runtime import in_prefect_run
 from a2d.tasks.students import load_flow_map, load_student, load_vfm
 
 STAGE = "eval"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: decode-state samplers, honest forward counts, CIs
+PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documented default)
+COUNTING_RULES = (
+    "a forward is one model call over whatever it is fed (draft+verify once; the VFM prompt forward counts); "
+    "tokens are generated response tokens up to and including EOS; prompt tokens are not counted"
+)
 SHARD = EVAL_SHARD
-Decoder = Callable[[list[int]], tuple[list[int], int]]  # prompt -> (tokens, forwards)
+Decoder = Callable[[list[int]], Decoded]  # prompt -> tokens, forwards, (accepted lengths)
+MIN_CORRECT_TO_RANK = 10  # fewer correct answers than this by the best sampler: AUP uses agreement
+LOSSLESS = ("ar:student-base", "ar:prompt-lookup", "spec:head")  # must equal the student's base
 
 
 def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
     """Every sampler the eval runs, in report order. The list is part of the eval key, so a sampler
     added here gives a new key without a hand-bumped FORMAT_VERSION."""
-    names = ["ar:greedy", *(f"head:conf{t:g}" for t in spec.thresholds), "head:k1"]
+    names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head"]
+    names += [f"head:conf{t:g}" for t in spec.thresholds]
     names += [f"d3llm:ent{e:g}" for e in spec.entropy_thresholds]
+    names.append("head:k1")
     if with_vfm:
         names += [f"vfm:k{k}" for k in spec.vfm_steps]
     if spec.untrained_baseline:
@@ -63,113 +73,192 @@ def run_sampler(name: str, decode: Decoder, rows: list[dict], tok: Any, spec: Ev
     records = []
     for r in tqdm(rows, desc=name, leave=False):
         start = time.perf_counter()
-        tokens, forwards = decode(r["prompt_ids"])
+        out = decode(r["prompt_ids"])
         seconds = time.perf_counter() - start
-        text = tok.decode(tokens, skip_special_tokens=True)
+        text = tok.decode(out.tokens, skip_special_tokens=True)
         records.append(
             {
-                "tokens": tokens,
+                "tokens": out.tokens,
                 "teacher_tokens": r["response_ids"][: spec.max_new_tokens],
-                "forwards": max(forwards, 1),
+                "forwards": out.forwards,
                 "seconds": seconds,
                 "correct": correct(text, r["answer"], r["kind"]),
+                "accepted": out.accepted,
                 "text": text,
             }
         )
-    return {**summarise_sampler(records), "examples": [rec["text"] for rec in records[:3]]}
+    summary = summarise_sampler(records)
+    return {
+        **summary,
+        "outputs": [rec["tokens"] for rec in records],
+        "examples": [rec["text"] for rec in records[:3]],
+    }
+
+
+def counted(model: torch.nn.Module) -> tuple[list[int], Any]:
+    """A forward counter on `model` (for transformers' own generate loops): ([count], hook handle)."""
+    count = [0]
+
+    def hook(*_: Any) -> None:
+        count[0] += 1
+
+    return count, model.register_forward_hook(hook)
+
+
+def decoders(
+    names: list[str],
+    student: Student,
+    untrained: Callable[[], Student],
+    teacher: Any,
+    tok: Any,
+    eos: list[int],
+    spec: EvalSpec,
+    dspec: dict[str, Any],
+    vfm: tuple[Any, Student] | None,
+) -> dict[str, Decoder]:
+    """One decoder per sampler name, built from the name's family and argument."""
+    n, shifted = spec.max_new_tokens, dspec["logit_alignment"] == "shifted"
+    alignment = dspec["logit_alignment"]
+
+    def ar(model: torch.nn.Module, lookup: int = 0) -> Decoder:
+        def run(prompt: list[int]) -> Decoded:
+            count, handle = counted(model)
+            try:
+                if lookup:  # transformers' prompt-lookup decoding: drafts copied from the prompt, verified
+                    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+                    new = model.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=eos,
+                        pad_token_id=tok.pad_token_id,
+                        prompt_lookup_num_tokens=lookup,
+                    )[0, len(prompt) :].tolist()
+                    tokens = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+                else:
+                    tokens = generate_batch(model, [prompt], n, eos, tok.pad_token_id).response_ids[0]
+            finally:
+                handle.remove()
+            return Decoded(tokens, count[0], [])
+
+        return run
+
+    def base(lookup: int = 0) -> Decoder:
+        def run(prompt: list[int]) -> Decoded:
+            with student.base() as model:
+                return ar(model, lookup)(prompt)
+
+        return run
+
+    def threshold(s: Student, t: float, criterion: str = "confidence") -> Decoder:
+        return lambda prompt: threshold_decode(s, prompt, n, t, eos, alignment, criterion)
+
+    out: dict[str, Decoder] = {}
+    for name in names:
+        family, _, arg = name.partition(":")
+        if name == "ar:greedy":
+            out[name] = ar(teacher)
+        elif name == "ar:student-base":
+            out[name] = base()
+        elif name == "ar:prompt-lookup":
+            out[name] = base(lookup=PROMPT_LOOKUP_TOKENS)
+        elif name == "spec:head":
+            if student.attention != "block" or not student.scope.masked or not shifted:
+                continue  # recorded as skipped: the head cannot verify in its own forward
+            out[name] = lambda prompt: speculative_decode(student, prompt, n, eos)
+        elif family == "head":
+            out[name] = threshold(student, 0.0 if arg == "k1" else float(arg.removeprefix("conf")))
+        elif family == "d3llm":
+            out[name] = threshold(student, float(arg.removeprefix("ent")), "entropy")
+        elif family == "vfm" and vfm is not None:
+            adapter, flow_map = vfm
+            k = int(arg.removeprefix("k"))
+            length = min(n, adapter.config["max_len"])
+            out[name] = lambda p, k=k, length=length, fm=flow_map, q=adapter: Decoded(
+                *vfm_generate(fm, q, p, length, k, eos, shifted), []
+            )
+        elif name == "untrained:k1":
+            out[name] = threshold(untrained(), 0.0)
+        else:
+            raise RuntimeError(f"eval lists a sampler {name!r} that no decoder is built for")
+    return out
 
 
 def evaluate(
     store: ArtifactStore, spec: EvalSpec, refs: dict[str, ArtifactRef], device: str = "cpu"
 ) -> dict[str, Any]:
     """Decode the held-out prompts with every sampler; returns the metrics document."""
-    rows = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"][
-        : spec.max_samples
-    ]
+    rows = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
+    rows = rows[: spec.max_samples] if spec.max_samples else rows
     if not rows:
         raise ValueError("no held-out prompts: raise prompts.eval_fraction so the eval split is not empty")
     student, dspec = load_student(store, refs["head"], device)
-    teacher_spec_dir = teacher_stage.local_dir(store, refs["teacher"])
-    teacher, tok = teacher_stage.tm.load_teacher(teacher_spec_dir, device=device)
+    teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
+    teacher, tok = teacher_stage.tm.load_teacher(teacher_dir, device=device)
     eos = eos_ids(teacher, tok)
-    attention, shifted = dspec["attention"], dspec["logit_alignment"] == "shifted"
-    n, block = spec.max_new_tokens, spec.block_size
 
-    def ar(prompt: list[int]) -> tuple[list[int], int]:
-        g = generate_batch(teacher, [prompt], n, eos, tok.pad_token_id)
-        return g.response_ids[0], len(g.response_ids[0])
-
-    def diffusion(s, threshold: float, size: int, criterion: str = "confidence") -> Decoder:
-        def run(prompt: list[int]) -> tuple[list[int], int]:
-            d = threshold_decode(
-                s, prompt, n, size, threshold, eos, attention, dspec["logit_alignment"], criterion
-            )
-            return d.tokens, d.forwards
-
-        return run
-
-    samplers: dict[str, Decoder] = {"ar:greedy": ar}
-    for t in spec.thresholds:
-        samplers[f"head:conf{t:g}"] = diffusion(student, t, block)
-    samplers["head:k1"] = diffusion(
-        student, 0.0, n
-    )  # one block, every position committed by the first forward
-    for e in spec.entropy_thresholds:
-        samplers[f"d3llm:ent{e:g}"] = diffusion(student, e, block, "entropy")
-    if "vfm" in refs:
-        adapter = load_vfm(store, refs["vfm"], device)
-        flow_map = load_flow_map(store, refs["vfm"], student, device)
-        for k in spec.vfm_steps:
-            samplers[f"vfm:k{k}"] = lambda p, k=k: vfm_generate(
-                flow_map,
-                adapter,
-                p,
-                min(n, adapter.config["max_len"]),
-                k,
-                eos,
-                attention,
-                dspec["block_size"],
-                shifted,
-            )
-    if spec.untrained_baseline:
-        linear = dspec["linear_attention"] if dspec["linear_attention"] != "n/a" else "causal"
-        base = build_student(  # same base and attention, fresh LoRA (B = 0) and an untrained mask embedding
-            teacher_spec_dir,
+    def untrained() -> Student:  # same base, attention and scope, a fresh adapter and mask embedding
+        return build_student(
+            teacher_dir,
             dspec["quantization"],
             "float32",
             device,
             {"rank": 1, "alpha": 1, "dropout": 0.0, "rslora": False},
-            attention,
-            linear,
+            dspec["attention"],
+            dspec["linear_attention"] if dspec["linear_attention"] != "n/a" else "causal",
             dspec["block_size"],
+            dspec.get("adapter_scope", "all"),
         )
-        # The same one-forward decoder as head:k1, so the speed/quality claim at high TPF compares
-        # a trained and an untrained adapter under identical decoding (and costs one forward each).
-        samplers["untrained:k1"] = diffusion(base, 0.0, n)
-    if list(samplers) != sampler_names(spec, "vfm" in refs):
-        raise RuntimeError(
-            f"eval built samplers {list(samplers)}, its key names {sampler_names(spec, 'vfm' in refs)}"
-        )
-    results = {name: run_sampler(name, fn, rows, tok, spec) for name, fn in samplers.items()}
-    # AUP needs a positive best accuracy; a random tiny teacher answers nothing right, so fall back
-    # to agreement with the teacher, and to no AUP at all when even that is zero.
-    metric = next(
-        (
-            m
-            for m in ("answer_accuracy", "token_agreement")
-            if max((s[m] or 0.0) for s in results.values()) > 0
-        ),
-        None,
-    )
-    aup = family_aup(results, metric) if metric else {}
+
+    vfm = None
+    if "vfm" in refs:
+        vfm = (load_vfm(store, refs["vfm"], device), load_flow_map(store, refs["vfm"], student, device))
+    names = sampler_names(spec, "vfm" in refs)
+    built = decoders(names, student, untrained, teacher, tok, eos, spec, dspec, vfm)
+    results: dict[str, Any] = {}
+    for name in names:
+        if name not in built:
+            results[name] = {
+                "skipped": "needs a head with attention: block, adapter_scope: masked, shifted logits"
+            }
+            continue
+        results[name] = run_sampler(name, built[name], rows, tok, spec)
+    base_outputs = results["ar:student-base"]["outputs"]
+    for name in LOSSLESS:
+        if "outputs" in results.get(name, {}):
+            got = results[name]["outputs"]
+            results[name]["mismatches_vs_student_base"] = sum(
+                a != b for a, b in zip(got, base_outputs, strict=True)
+            )
+    metric, why = aup_metric(results)
+    ranked = {k: v for k, v in results.items() if "tpf" in v}
+    aup = family_aup(ranked, metric) if metric else {}
     return {
+        "sampler_order": names,
         "samplers": results,
         "aup": aup,
         "aup_metric": metric,
+        "aup_metric_reason": why,
         "samples": len(rows),
-        "max_new_tokens": n,
+        "max_new_tokens": spec.max_new_tokens,
         "diffusion_spec": dspec,
+        "counting": COUNTING_RULES,
     }
+
+
+def aup_metric(results: dict[str, Any]) -> tuple[str | None, str]:
+    """Answer accuracy when enough answers are right to rank samplers by it, else agreement with the teacher."""
+    scored = [s for s in results.values() if s.get("answer_accuracy") is not None]
+    best_correct = max((round(s["answer_accuracy"] * s["samples"]) for s in scored), default=0)
+    if best_correct >= MIN_CORRECT_TO_RANK:
+        return "answer_accuracy", f"the best sampler answers {best_correct} prompts right"
+    if max((s.get("token_agreement") or 0.0) for s in results.values()) > 0:
+        return "token_agreement", (
+            f"the best sampler answers only {best_correct} prompts right (< {MIN_CORRECT_TO_RANK}): "
+            "too few to rank samplers, so AUP uses token agreement with the teacher"
+        )
+    return None, "no sampler agrees with the teacher at all"
 
 
 @task(name="eval-run", task_run_name="eval-{ref.key}", tags=["gpu"])
@@ -184,10 +273,11 @@ def eval_run(
     meta = {
         "held-out samples": doc["samples"],
         "max new tokens": doc["max_new_tokens"],
-        "AUP metric": doc["aup_metric"],
+        "AUP metric": f"{doc['aup_metric']} ({doc['aup_metric_reason']})",
+        "counting": doc["counting"],
         **{f"{k} key": v.key for k, v in refs.items()},
     }
-    report = markdown_report(doc["samplers"], doc["aup"], meta)
+    report = markdown_report({name: doc["samplers"][name] for name in doc["sampler_order"]}, doc["aup"], meta)
     with store.shard_output(ref, SHARD) as out:
         out.mkdir()
         (out / "metrics.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
@@ -198,7 +288,7 @@ def eval_run(
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
         table = [
-            {"sampler": name, **{k: v for k, v in s.items() if k != "examples"}}
+            {"sampler": name, **{k: v for k, v in s.items() if k not in ("examples", "outputs", "ci95")}}
             for name, s in doc["samplers"].items()
         ]
         create_table_artifact(
@@ -213,4 +303,6 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
 
 
 def print_table(store: ArtifactStore, ref: ArtifactRef) -> str:
-    return text_table(read_metrics(store, ref)["samplers"])
+    doc = read_metrics(store, ref)
+    order = doc.get("sampler_order", list(doc["samplers"]))
+    return text_table({name: doc["samplers"][name] for name in order})

@@ -29,7 +29,7 @@ from a2d.tasks.training import restore_checkpoints, workdir
 
 STAGE = "head"
 SHARD = HEAD_SHARD
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: decode-state views, block attention from the response start, adapter scope
 
 
 def key_inputs(spec: HeadSpec, teacher_key: str, anchors_key: str, trajectories_key: str) -> KeyInputs:
@@ -173,6 +173,7 @@ def head_train(
     diffusion_spec = {
         "mask_id": info["mask_id"],
         "attention": spec.attention,
+        "adapter_scope": spec.adapter_scope,
         "linear_attention": spec.linear_attention if info["linear_attention_layers"] else "n/a",
         "linear_attention_layers": info["linear_attention_layers"],
         "logit_alignment": spec.logit_alignment,

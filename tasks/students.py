@@ -29,6 +29,8 @@ def load_student(
     spec = HeadSpec.model_validate(manifest["spec"])
     teacher_ref = store.ref("teacher", manifest["upstream"]["teacher"])
     adapter = store.local_copy(ref, HEAD_SHARD, cache_root())
+    # custom modelling code runs only when the teacher was materialised with it allowed
+    trust_remote_code = bool(store.manifest(teacher_ref)["spec"].get("trust_remote_code", False))
     student = build_student(
         teacher_stage.local_dir(store, teacher_ref),
         spec.quantization,
@@ -38,7 +40,9 @@ def load_student(
         spec.attention,
         spec.linear_attention,
         spec.block_size,
+        spec.adapter_scope,
         adapter_dir=adapter,
+        trust_remote_code=trust_remote_code,
     )
     student.load_extras(load_file(adapter / "extras.safetensors"))
     student.model.eval()

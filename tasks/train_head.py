@@ -24,10 +24,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from a2d.models.capture import capture_layers
-from a2d.models.losses import alignment_loss, masked_diffusion_loss
-from a2d.models.student import Student, build_student, lm_head, student_hidden
+from a2d.models.generate import eos_ids
+from a2d.models.losses import alignment_loss, masked_diffusion_loss, time_weight
+from a2d.models.student import Student, build_student, lm_head, student_forward
 from a2d.models.teacher import autocast, resolve_precision
-from a2d.models.trajectory import ViewSampler
+from a2d.models.views import ViewSampler, build_batch
 from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
 from a2d.stores import checkpoints
 from a2d.stores.anchors import AnchorReader
@@ -98,76 +99,66 @@ def micro_batch_indices(n: int, spec: HeadSpec, step: int, g: int, world: int) -
 
 
 def make_batch(
-    samples: list[dict],
-    trajs: dict,
-    spec: HeadSpec,
-    sampler: ViewSampler,
-    step: int,
-    g: int,
-    mask_id: int,
-    pad_id: int,
+    samples: list[dict], trajs: dict, run_sampler: ViewSampler, spec: HeadSpec, step: int, g: int, ids: dict
 ) -> dict[str, torch.Tensor]:
-    """Masked inputs for one micro-batch: (B, T) ids, targets, loss masks (+ complementary), t (B,)."""
+    """One micro-batch of decode-state views (+ complements) as left-padded tensors (see models.views).
+
+    `ids` holds the student's mask, pad and EOS ids and the set of every EOS id.
+    """
     views = []
     for j, s in enumerate(samples):
-        resp = np.asarray(s["response_ids"])[: max(1, spec.max_seq_len - len(s["prompt_ids"]))]
-        p = len(s["prompt_ids"])
-        rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step, 0, g, j]))
-        if spec.mask_schedule == "trajectory":
-            traj = trajs.get(s["sample_id"])
-            if traj is not None and len(traj["response_ids"]) != len(resp):  # cut by max_seq_len
-                traj = {
-                    **traj,
-                    "response_ids": traj["response_ids"][: len(resp)],
-                    "unmask_step": traj["unmask_step"][: len(resp)],
-                }
-            v = sampler.view(step, 0, g, j, s["sample_id"], resp, traj)
-            lo, hi = v.window
-            window = np.zeros(len(resp), bool)
-            window[lo:hi] = True
-            masked, comp, t = v.masked, v.complement, max(v.ratio, spec.eps)
-        else:
-            t = float(rng.uniform(spec.eps, 1.0))
-            masked = rng.random(len(resp)) < t
-            masked[rng.integers(len(resp))] = True  # at least one supervised token
-            window, comp = np.ones(len(resp), bool), ~masked
-        views.append((s["prompt_ids"], resp, p, masked, comp, window, t))
-    width = max(len(v[0]) + len(v[1]) for v in views)
-    b = len(views)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    pad = torch.zeros((b, width), dtype=torch.long)
-    loss = torch.zeros((b, width), dtype=torch.bool)
-    comp_loss = torch.zeros((b, width), dtype=torch.bool)
-    sup = torch.zeros((b, width), dtype=torch.bool)
-    for i, (prompt, resp, p, masked, comp, window, _) in enumerate(views):
-        n = p + len(resp)
-        ids[i, :p] = torch.tensor(prompt)
-        ids[i, p:n] = torch.from_numpy(resp.astype(np.int64))
-        pad[i, :n] = 1
-        loss[i, p:n] = torch.from_numpy(masked & window)
-        comp_loss[i, p:n] = torch.from_numpy(comp & window)
-        sup[i, p:n] = torch.from_numpy(window)
-    t = torch.tensor([v[6] for v in views], dtype=torch.float32)
-    return {"targets": ids, "pad": pad, "loss": loss, "comp_loss": comp_loss, "supervised": sup, "t": t}
-
-
-def diffusion_ce(student: Student, batch: dict, loss_mask: torch.Tensor, spec: HeadSpec, device):
-    """One student forward with `loss_mask` positions replaced by the mask token; CE at those positions."""
-    ids = batch["targets"].masked_fill(loss_mask, student.info.mask_id).to(device)
-    pad = batch["pad"].to(device)
-    hidden = student_hidden(student, ids, pad, spec.attention, spec.block_size)  # (B, T, H)
-    b_idx, t_idx = loss_mask.nonzero(as_tuple=True)
-    src = t_idx - 1 if spec.logit_alignment == "shifted" else t_idx  # shifted: logits at p-1 predict p
-    logits = lm_head(student)(hidden[b_idx.to(device), src.to(device)])  # (N, V)
-    return masked_diffusion_loss(
-        logits,
-        batch["targets"].to(device),
-        loss_mask.to(device),
-        batch["supervised"].to(device),
-        batch["t"].to(device),
-        spec.weighting,
-        spec.normaliser,
+        response = np.asarray(s["response_ids"], dtype=np.int64)
+        finished = bool(len(response)) and int(response[-1]) in ids["eos_set"]
+        max_blocks = max(1, (spec.max_seq_len - len(s["prompt_ids"])) // spec.block_size)
+        views.append(
+            run_sampler.view(
+                step,
+                g,
+                j,
+                s["sample_id"],
+                response,
+                ids["eos"],
+                finished,
+                trajs.get(s["sample_id"]),
+                max_blocks,
+            )
+        )
+    batch = build_batch(
+        [s["prompt_ids"] for s in samples],
+        [np.asarray(s["response_ids"]) for s in samples],
+        views,
+        ids["mask"],
+        ids["pad"],
+        spec.complementary,
     )
+    batch["views"] = views
+    return batch
+
+
+def diffusion_ce(
+    student: Student, batch: dict, spec: HeadSpec, device
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """One student forward over the batch's views; the loss at the masked positions (each view
+    normalised by its own count), its stats, and the hidden states (R, T, H)."""
+    hidden = student_forward(
+        student, batch["ids"].to(device), batch["pad"].to(device), batch["open"].to(device)
+    )
+    rows, cols = batch["loss"].nonzero(as_tuple=True)
+    src = cols - 1 if spec.logit_alignment == "shifted" else cols  # shifted: logits at p-1 predict p
+    logits = lm_head(student)(hidden[rows.to(device), src.to(device)])  # (N, V)
+    # Each kind of view (primary, complement) is one mean: over its masked (or its supervised) tokens.
+    per_row = (batch["loss"] if spec.normaliser == "masked" else batch["block"]).sum(1).float()  # (R,)
+    per_kind = torch.zeros(2).index_add_(0, batch["kind"], per_row)  # (2,)
+    norm = 1.0 / per_kind[batch["kind"]][rows]  # (N,)
+    time_w = time_weight(batch["t"], spec.weighting)[rows]
+    loss, info = masked_diffusion_loss(
+        logits,
+        batch["targets"][rows, cols].to(device),
+        time_w.to(device),
+        norm.to(device),
+        spec.entropy_weight,
+    )
+    return loss, info, hidden
 
 
 @dataclass
@@ -181,6 +172,9 @@ class Run:
     samples: list[dict]
     trajs: dict[str, dict]
     sampler: ViewSampler
+    token_ids: dict[str, Any]  # mask, pad, eos, eos_set
+    align_layers: list[int]  # the late stored layers alignment draws from
+    align_centre: torch.Tensor | None  # (len(align_layers), H) teacher mean per layer
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -223,7 +217,9 @@ def setup(job: TrainJob) -> Run:
         spec.attention,
         spec.linear_attention,
         spec.block_size,
+        spec.adapter_scope,
         opts.gradient_checkpointing,
+        trust_remote_code=job.teacher_spec.trust_remote_code,
     )
     reader = AnchorReader(store, job.anchors)
     reader.check(teacher_key=job.teacher.key, capture="residual")
@@ -234,8 +230,25 @@ def setup(job: TrainJob) -> Run:
             "no training samples: every prompt is in the eval split; lower prompts.eval_fraction"
         )
     sampler = ViewSampler(
-        spec.seed, spec.steps, spec.r_min_start, spec.r_min_end, spec.r_max, spec.window_sizes
+        spec.seed,
+        spec.steps,
+        spec.block_size,
+        spec.mask_schedule,
+        spec.r_min_start,
+        spec.r_min_end,
+        spec.r_max,
+        spec.eps,
     )
+    eos = eos_ids(student.inner, student.tok)
+    token_ids = {
+        "mask": student.info.mask_id,
+        "pad": student.tok.pad_token_id,
+        "eos": eos[0],
+        "eos_set": set(eos),
+    }
+    # Late layers only: early layers at a masked position cannot match a teacher that saw the token.
+    depth = int(reader.meta.get("num_model_layers") or (max(reader.layers) + 1))
+    late = [layer for layer in reader.layers if layer >= spec.align_from * depth] or reader.layers[-1:]
     params = [p for p in student.model.parameters() if p.requires_grad] + [student.mask.weight]
     if spec.optimizer == "sgd":
         optimizer = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
@@ -252,6 +265,9 @@ def setup(job: TrainJob) -> Run:
         samples=samples,
         trajs=read_trajectories(store, job.trajectories),
         sampler=sampler,
+        token_ids=token_ids,
+        align_layers=late,
+        align_centre=reader.layer_means(late) if spec.align_weight > 0 else None,
         params=params,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec)),
@@ -277,44 +293,42 @@ def resume(run: Run) -> int:
 
 
 def align_term(
-    run: Run, batch_samples: list[dict], batch: dict, chosen: list[int], captured: dict, rng
+    run: Run, batch: dict, samples: list[dict], chosen: list[int], captured: dict, rng
 ) -> torch.Tensor:
-    """1 - cos between the student's captured layers and the teacher's anchors at the same tokens."""
+    """1 - centred cos between the student's captured layers and the teacher's anchors, at the masked
+    positions of the primary views (a sampled share of them)."""
     spec = run.job.spec
-    anchors = run.reader.batch(
-        [s["sample_id"] for s in batch_samples], chosen, spec.align_token_fraction, rng
-    )
-    s_h, t_h = [], []
-    for b, a in enumerate(anchors):
-        pos = torch.as_tensor(a["positions"], dtype=torch.long)
-        pos_ok = pos < batch["pad"][b].sum()
+    centre = [run.align_centre[run.align_layers.index(layer)].to(run.device) for layer in chosen]
+    s_h, t_h, c_h = [], [], []
+    for row in torch.nonzero(batch["kind"] == 0).flatten().tolist():
+        sample = samples[int(batch["sample"][row])]
+        cols = torch.nonzero(batch["loss"][row]).flatten()
+        cols = cols[torch.from_numpy(rng.random(len(cols)) < spec.align_token_fraction)]
+        # absolute position of a column in prompt+response: prompt length + response offset
+        wanted = (cols - batch["offset"][row] + len(sample["prompt_ids"])).numpy()
+        found, hidden = run.reader.at(sample["sample_id"], chosen, wanted)  # (k, L, H)
+        if not len(found):
+            continue
+        at = torch.from_numpy(found - len(sample["prompt_ids"])) + batch["offset"][row]
         for j, layer in enumerate(chosen):
-            s_h.append(captured[layer][b, pos[pos_ok].to(run.device)])
-            t_h.append(a["hidden"][pos_ok.numpy(), j].to(run.device))
-    return alignment_loss(s_h, t_h)
+            s_h.append(captured[layer][row, at.to(run.device)])
+            t_h.append(hidden[:, j].to(run.device))
+            c_h.append(centre[j])
+    return alignment_loss(s_h, t_h, c_h)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One optimizer step over `grad_accum` micro-batches on every rank; the step's mean stats."""
     spec = run.job.spec
     lam = spec.align_weight * (1.0 if spec.align_schedule == "constant" else max(0.0, 1 - step / spec.steps))
-    stats: dict[str, float] = {"loss": 0.0, "ce": 0.0, "align": 0.0}
+    stats: dict[str, float] = {"loss": 0.0, "ce": 0.0, "align": 0.0, "acc": 0.0}
     for micro in range(spec.grad_accum):
         g = micro * run.world + run.rank  # global micro-batch index: masks do not depend on world size
         idx = micro_batch_indices(len(run.samples), spec, step, g, run.world)
-        batch_samples = [run.samples[i] for i in idx]
-        batch = make_batch(
-            batch_samples,
-            run.trajs,
-            spec,
-            run.sampler,
-            step,
-            g,
-            run.student.info.mask_id,
-            run.student.tok.pad_token_id,
-        )
+        samples = [run.samples[i] for i in idx]
+        batch = make_batch(samples, run.trajs, run.sampler, spec, step, g, run.token_ids)
         rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step, 1, g]))
-        layers = run.reader.layers
+        layers = run.align_layers
         chosen = (
             sorted(rng.choice(layers, size=min(spec.align_layers, len(layers)), replace=False).tolist())
             if lam > 0
@@ -322,19 +336,16 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         )
         captured: dict[int, torch.Tensor] = {}
         with (
-            capture_layers(run.student.model.get_base_model(), chosen, captured.__setitem__),
+            capture_layers(run.student.inner, chosen, captured.__setitem__),
             autocast(run.device, run.precision),
         ):
-            loss, info = diffusion_ce(run.student, batch, batch["loss"], spec, run.device)
-        align = align_term(run, batch_samples, batch, chosen, captured, rng) if chosen else torch.zeros(())
+            loss, info, _ = diffusion_ce(run.student, batch, spec, run.device)
+        align = align_term(run, batch, samples, chosen, captured, rng) if chosen else torch.zeros(())
         total = loss + lam * align.to(loss.device)
-        if spec.complementary:
-            with autocast(run.device, run.precision):
-                comp, _ = diffusion_ce(run.student, batch, batch["comp_loss"], spec, run.device)
-            total = total + comp
         run.accelerator.backward(total / spec.grad_accum)
         stats["loss"] += total.item() / spec.grad_accum
         stats["ce"] += info["ce"] / spec.grad_accum
+        stats["acc"] += info["masked_acc"] / spec.grad_accum
         stats["align"] += float(align.detach()) / spec.grad_accum
     if run.world > 1:  # the mean over ranks, as DDP computes it
         for p in run.params:

@@ -43,3 +43,37 @@ def tiny_store(tmp_path_factory) -> str:
     store = str(tmp_path_factory.mktemp("tiny-store"))
     pipeline(tiny_config(store), until="prompts")
     return store
+
+
+ARCHS = ("llama", "qwen3_5")
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "rslora": False}
+
+
+@pytest.fixture(scope="session")
+def small_teachers(tmp_path_factory):
+    """Random teachers of both architectures: a 2-layer llama, and a 4-layer qwen3_5 (3 Gated DeltaNet + 1 full attention)."""
+    from a2d.models.teacher import build_random_teacher
+
+    root = tmp_path_factory.mktemp("small-teachers")
+    build_random_teacher("qwen3_5", 4, 64, 0, root / "qwen3_5", "float32")
+    build_random_teacher("llama", 2, 64, 0, root / "llama", "float32")
+    return root
+
+
+def trained_like(teachers, arch, attention="block", scope="masked", linear="bidirectional", block=4):
+    """A student whose adapter, mask embedding and scan gates are far from zero (as after training)."""
+    import torch
+
+    from a2d.models.student import build_student
+
+    student = build_student(teachers / arch, "none", "float32", "cpu", LORA, attention, linear, block, scope)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in student.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for gate in student.extras().values():
+            if gate.dim() == 0:
+                gate.fill_(0.8)
+        student.mask.weight.add_(torch.randn(student.mask.weight.shape, generator=gen))
+    return student

@@ -1,13 +1,14 @@
 """vfm and eval: exact VFM resume, reuse, K-step generation, and an eval report with every sampler."""
 
 import json
+import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from a2d.flows.pipeline import pipeline
-from a2d.models.vfm import NoiseAdapter, kl_standard_normal
+from a2d.models.vfm import NoiseAdapter, kl_to_prior
 from a2d.specs import TrainOptions
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.vfm import train_vfm
@@ -38,8 +39,14 @@ def built(tmp_path_factory):
 
 
 def test_kl_is_zero_only_at_the_prior():
-    assert float(kl_standard_normal(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))) == 0.0
-    assert float(kl_standard_normal(torch.ones(1, 2, 3), torch.zeros(1, 2, 3))) == pytest.approx(1.5)
+    m = torch.tensor([0.5, -1.0, 2.0])
+    assert float(kl_to_prior(m.expand(1, 2, 3), torch.zeros(1, 2, 3), m)) == 0.0
+    assert float(kl_to_prior(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), m)) == pytest.approx(
+        0.5 * (0.25 + 1 + 4)
+    )
+    assert float(kl_to_prior(m.expand(1, 2, 3), torch.full((1, 2, 3), 1.0), m)) == pytest.approx(
+        1.5 * (math.e - 2)
+    )
 
 
 def test_vfm_resume_is_exact_and_the_artifact_is_reused(built, tmp_path):

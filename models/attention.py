@@ -1,0 +1,202 @@
+"""What each position of a student forward sees, and where the adapter acts.
+
+The decode state a2d trains on (DESIGN §3 head): the prompt and every committed token form a
+causal prefix; the open block sits at the end of the sequence and nothing after it is present.
+Every forward names its *open* positions, a suffix of each row: in `block` attention an open
+position attends to the whole prefix and to the whole open part, a prefix position attends
+causally; in `bidirectional` attention (full A2D conversion) every position attends to every real
+token.
+
+`adapter_scope: masked` confines the adapter to the open positions: the LoRA deltas are gated to
+zero elsewhere, the mask embedding only ever replaces mask tokens, and the reverse Gated DeltaNet
+scan is added only there. Every prefix position then computes the base model exactly (causal, no
+adapter): the logits that predict the first open position are the base model's own next-token
+logits, and committed tokens' keys, values and recurrent states are the base model's cache.
+
+Rows are left-padded, so the open part is always the last columns and a reverse scan over the
+last `window` columns covers it for every row at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class Scope:
+    """The open positions and adapter gate of the forward being run, read by the hooks below.
+
+    `set` leaves them in place after the forward (gradient checkpointing recomputes layers during
+    backward, and the hooks must see the same gate then); the next forward replaces them. One
+    student serves one forward at a time.
+    """
+
+    def __init__(self, masked: bool):
+        self.masked = masked  # adapter_scope == "masked"
+        self.open: torch.Tensor | None = None  # (B, T) bool: open positions of the current forward
+        self.adapter: torch.Tensor | None = None  # (B, T) gate the LoRA deltas are multiplied by
+        self.window = 0  # trailing columns the reverse scan covers
+        self.segments: list[int] | None = None  # decode: clean-prefix segment lengths (see BidirectionalScan)
+        self.states: dict[int, list] = {}  # decode: linear-attention state after each segment, per layer
+
+    def set(
+        self,
+        open_: torch.Tensor | None,
+        window: int,
+        adapter: torch.Tensor | None,
+        segments: list[int] | None = None,
+    ) -> None:
+        self.open, self.window, self.adapter, self.segments = open_, window, adapter, segments
+        self.states = {}
+
+    def clear(self) -> None:
+        self.set(None, 0, None)
+
+    @contextlib.contextmanager
+    def adapter_as(self, gate: torch.Tensor | None) -> Iterator[None]:
+        """Temporarily gate the adapter with `gate` (the reverse scan runs on flipped windows)."""
+        old = self.adapter
+        self.adapter = gate
+        try:
+            yield
+        finally:
+            self.adapter = old
+
+    def lora_hook(self, _module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        """Forward hook on every `lora_B`: the LoRA delta times the gate (zero outside the scope)."""
+        gate = self.adapter
+        if gate is None:
+            return out * 0.0  # no open positions: the base model
+        if out.shape[:2] != gate.shape:
+            raise RuntimeError(
+                f"adapter gate {tuple(gate.shape)} does not fit a LoRA output {tuple(out.shape)}: "
+                "call the student through student_forward so every position has a gate"
+            )
+        return out * gate[..., None].to(out.dtype)
+
+
+class BidirectionalScan(nn.Module):
+    """Wraps a causal linear-attention (Gated DeltaNet) layer of a student.
+
+    - `reverse=True`: adds tanh(gate) · a reversed scan over the trailing `scope.window` columns at
+      open positions (the open block in `block` mode, everything in `bidirectional` mode); the gate
+      starts at zero, so an untrained student equals the teacher.
+    - With a decode cache and `scope.segments` set, the clean prefix of the call is scanned in
+      those segments and the recurrent state is saved after each (`scope.states[layer]`), then the
+      open part is scanned and the state put back to "after the clean prefix": the open block never
+      enters the cache, and a decoder can roll back to any segment boundary (a rejected draft).
+    Without open positions (plain generation) it is the inner module.
+    """
+
+    def __init__(self, inner: nn.Module, scope: Scope, reverse: bool = True):
+        super().__init__()
+        self.inner = inner
+        self.scope = scope
+        self.gate = nn.Parameter(torch.zeros(())) if reverse else None
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+        scope = self.scope
+        if cache is not None and scope.segments is not None:
+            fwd = self._segmented(hidden_states, cache, attention_mask, **kwargs)
+        else:
+            fwd = self.inner(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if self.gate is None or scope.open is None or scope.window == 0:
+            return fwd
+        w = scope.window
+        x = hidden_states[:, -w:].flip(1)  # (B, w, H), last column first
+        gate = scope.adapter[:, -w:].flip(1) if scope.adapter is not None else None
+        with scope.adapter_as(gate):
+            bwd = self.inner(hidden_states=x, cache=None, attention_mask=None).flip(1)
+        weight = torch.tanh(self.gate).to(fwd.dtype) * scope.open[:, -w:, None].to(fwd.dtype)  # (B, w, 1)
+        return torch.cat([fwd[:, :-w], fwd[:, -w:] + weight * bwd], dim=1)
+
+    def _segmented(self, hidden: torch.Tensor, cache, attention_mask, **kwargs) -> torch.Tensor:
+        """Scan the clean segments one after another (saving the state after each), then the open part."""
+        idx = self.inner.layer_idx
+        outs, saved, pos = [], [], 0
+        gate = self.scope.adapter
+        for n in self.scope.segments:
+            if n:
+                with self.scope.adapter_as(gate[:, pos : pos + n] if gate is not None else None):
+                    outs.append(self.inner(hidden_states=hidden[:, pos : pos + n], cache=cache, **kwargs))
+                pos += n
+            saved.append(linear_state(cache, idx))
+        if pos < hidden.shape[1]:
+            with self.scope.adapter_as(gate[:, pos:] if gate is not None else None):
+                outs.append(self.inner(hidden_states=hidden[:, pos:], cache=cache, **kwargs))
+            set_linear_state(cache, idx, saved[-1])
+        self.scope.states[idx] = saved
+        return torch.cat(outs, dim=1)
+
+
+def linear_state(cache, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """A copy of one linear-attention layer's cached conv and recurrent state."""
+    layer = cache.layers[idx]
+    conv, rec = layer.conv_states.get(0), layer.recurrent_states.get(0)
+    return (
+        conv.clone() if conv is not None else None,
+        rec.clone() if rec is not None else None,
+        bool(layer.has_previous_state.get(0)),
+    )
+
+
+def set_linear_state(cache, idx: int, state: tuple[torch.Tensor | None, torch.Tensor | None, bool]) -> None:
+    """Put a saved linear-attention state back (what `linear_state` returned)."""
+    layer = cache.layers[idx]
+    conv, rec, has_previous = state
+    if conv is not None:
+        layer.conv_states[0] = conv.clone()
+    if rec is not None:
+        layer.recurrent_states[0] = rec.clone()
+    layer.has_previous_state[0] = has_previous
+
+
+def open_suffix(first_open: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, T) bool: True from column `first_open[b]` on (a suffix per row); first_open >= T means none."""
+    cols = torch.arange(width, device=first_open.device)
+    return cols[None, :] >= first_open[:, None]
+
+
+def attention_masks(
+    pad: torch.Tensor,
+    open_: torch.Tensor,
+    mode: str,
+    dtype: torch.dtype,
+    past: int = 0,
+    hybrid: bool = False,
+) -> torch.Tensor | dict[str, torch.Tensor | None]:
+    """The attention mask of a student forward over T new tokens after `past` cached ones.
+
+    pad (B, T) is 1 for real tokens, open_ (B, T) marks open positions. Full-attention layers get an
+    additive (B, 1, T, past + T) mask: 0 where a query may attend, the dtype minimum elsewhere.
+    Cached tokens are real, committed and visible to every query. Linear-attention layers of a
+    hybrid get the 2D padding mask (None when nothing is padded).
+    """
+    b, t = pad.shape
+    idx = torch.arange(t, device=pad.device)
+    real = pad.bool()[:, None, :]  # (B, 1, T) keys
+    if mode == "bidirectional":
+        if past:
+            raise ValueError("bidirectional attention has no exact cache: every token sees later tokens")
+        allowed = real.expand(b, t, t)
+    elif mode == "block":
+        causal = idx[None, :] <= idx[:, None]  # (T, T) key <= query
+        allowed = real & (causal[None] | open_.bool()[:, :, None])  # open queries see every real key
+    else:
+        raise ValueError(f"unknown attention mode {mode!r}: use block or bidirectional")
+    allowed = allowed | torch.eye(t, dtype=torch.bool, device=pad.device)[None]  # no empty rows
+    if past:
+        allowed = torch.cat([torch.ones(b, t, past, dtype=torch.bool, device=pad.device), allowed], dim=2)
+    full = torch.zeros(b, 1, t, past + t, dtype=dtype, device=pad.device)
+    full.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    if hybrid:
+        return {"full_attention": full, "linear_attention": None if bool(pad.all()) else pad}
+    return full
+
+
+def position_ids(pad: torch.Tensor, past: int = 0) -> torch.Tensor:
+    """Positions that skip left padding: a row's first real token is at `past`. (B, T) long."""
+    return (pad.long().cumsum(-1) - 1).clamp(min=0) + past

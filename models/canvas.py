@@ -1,0 +1,113 @@
+"""The decode canvas: the committed sequence and the exact cache of the student's base over it.
+
+Invariant: the cache holds every committed token but the newest one. A forward feeds the committed
+tokens the cache does not hold yet (at least the newest: its state predicts the next position),
+then optional clean candidates (drafts to verify), then the open region (mask tokens or VFM noise
+vectors). Every fed clean position computes the base model exactly (`adapter_scope: masked`,
+causal prefix), so after the forward the cache keeps the clean tokens the caller accepted: their
+keys, values and Gated DeltaNet states are the base model's own, and each committed token enters
+the cache once. The open region never enters the cache.
+
+`cached=False` feeds the whole sequence every time with no cache (the reference the cached path
+is tested against, and the baseline of the cache benchmark); both return the same hidden states
+for the fed positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from a2d.models.attention import set_linear_state
+from a2d.models.student import Student, student_forward
+
+
+def new_cache(model: torch.nn.Module):
+    """An empty transformers cache for `model` (attention KV, and conv/recurrent states for hybrids)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def truncate_attention(cache, length: int) -> None:
+    """Keep the first `length` positions of every attention layer's keys and values."""
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            layer.keys = keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+class Canvas:
+    """One prompt being decoded: committed tokens, the cache over all but the newest, forwards run."""
+
+    def __init__(self, student: Student, prompt: list[int], cached: bool = True):
+        if not prompt:
+            raise ValueError("decoding needs a non-empty prompt")
+        if cached and student.attention != "block":
+            raise ValueError("an exact cache needs attention: block (bidirectional heads see later tokens)")
+        self.student = student
+        self.tokens = list(prompt)
+        self.cached = cached
+        self.cache = new_cache(student.inner) if cached else None
+        self.in_cache = 0  # leading committed tokens the cache holds
+        self.forwards = 0
+        self.device = next(p for p in student.model.parameters()).device
+        self._fed: tuple[int, int] = (0, 0)  # (pending, clean) of the last forward
+        self._states: dict[int, list] = {}  # its linear-attention states after each clean segment
+
+    @property
+    def pending(self) -> list[int]:
+        """Committed tokens the cache does not hold yet (always at least the newest one)."""
+        return self.tokens[self.in_cache :]
+
+    def forward(self, clean: list[int], region: list[int] | torch.Tensor) -> torch.Tensor:
+        """Run pending + clean + region; hidden states (len(pending) + len(clean) + len(region), H).
+
+        `region` is token ids (masks and committed-out-of-order tokens), or input embeddings (n, H).
+        """
+        pending = self.pending
+        embeds = isinstance(region, torch.Tensor)
+        n_region = region.shape[0] if embeds else len(region)
+        fed_ids = pending + list(clean)
+        context = self.tokens[: self.in_cache] if not self.cached else []
+        ids = torch.tensor([context + fed_ids + ([] if embeds else list(region))], device=self.device)
+        width = ids.shape[1] + (n_region if embeds else 0)
+        pad = torch.ones((1, width), dtype=torch.long, device=self.device)
+        open_ = torch.zeros((1, width), dtype=torch.bool, device=self.device)
+        open_[0, width - n_region :] = True
+        inputs_embeds = None
+        if embeds:
+            emb = self.student.inner.get_input_embeddings()(ids)  # clean part: the base's own embeddings
+            inputs_embeds = torch.cat([emb, region[None].to(emb.dtype)], dim=1)
+            ids = None
+        segments = [len(pending) - 1, 1, *([1] * len(clean))]  # boundaries a caller may keep
+        hidden = student_forward(
+            self.student,
+            ids,
+            pad,
+            open_,
+            cache=self.cache,
+            inputs_embeds=inputs_embeds,
+            segments=segments,
+        )
+        self.forwards += 1
+        self._fed = (len(pending), len(clean))
+        self._states = self.student.scope.states  # this forward's rollback points (the next forward replaces the scope's)
+        return hidden[0, len(context) :]
+
+    def keep(self, clean_kept: int) -> None:
+        """After a forward: the cache keeps the fed pending tokens but the newest (clean_kept = -1),
+        or all of them and the first `clean_kept` clean candidates. The open region is dropped."""
+        n_pending, n_clean = self._fed
+        if not -1 <= clean_kept <= n_clean:
+            raise ValueError(f"keep {clean_kept} of {n_clean} clean tokens")
+        keep = n_pending + clean_kept  # fed tokens that stay cached
+        if self.cached:
+            truncate_attention(self.cache, self.in_cache + keep)
+            for idx, saved in self._states.items():
+                set_linear_state(self.cache, idx, saved[clean_kept + 1])
+        self.in_cache += keep
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append committed tokens (they are fed, and cached, by later forwards)."""
+        self.tokens.extend(int(t) for t in tokens)

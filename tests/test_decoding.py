@@ -1,0 +1,219 @@
+"""Decoding: the exact prefix cache (and its rollback), lossless self-speculative decoding, honest
+forward counts, and what the decoder feeds the model compared with what training fed it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from a2d.models import canvas as canvas_module
+from a2d.models.canvas import Canvas
+from a2d.models.generate import generate_batch
+from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
+from a2d.models.student import lm_head
+from a2d.models.views import BlockView, build_batch
+from tests.conftest import ARCHS, trained_like
+
+EOS = [257]
+
+
+def chi_square_p(observed: list[int], expected: list[float]) -> float:
+    """Pearson's chi-square goodness-of-fit p-value (df = categories - 1)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
+    df = len(observed) - 1
+    return float(1 - torch.special.gammainc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+PROMPT = [258, 104, 105, 257, 10, 33, 44, 51]
+
+
+def base_greedy(student, prompt, n):
+    with student.base() as model:
+        return generate_batch(model, [prompt], n, EOS, 0).response_ids[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_and_uncached_decoding_agree_in_tokens_and_logits(small_teachers, arch):
+    student = trained_like(small_teachers, arch)
+    cached, plain = Canvas(student, PROMPT, cached=True), Canvas(student, PROMPT, cached=False)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(7):
+        region = [student.info.mask_id] * 4
+        if step % 3 == 2:
+            region[1] = int(torch.randint(3, 250, (1,), generator=gen))  # a token committed out of order
+        a, b = cached.forward([], region), plain.forward([], region)
+        torch.testing.assert_close(lm_head(student)(a), lm_head(student)(b), atol=1e-5, rtol=0)
+        new = [int(x) for x in torch.randint(3, 250, (1 + step % 2,), generator=gen)]
+        for c in (cached, plain):
+            c.keep(-1)
+            c.commit(new)
+    assert cached.in_cache == plain.in_cache == len(cached.tokens) - 1 - len(new)  # newest + new commits
+    assert cached.cache.get_seq_length() == cached.in_cache  # the open region never entered the cache
+    for threshold in (0.0, 0.3):
+        with_cache = threshold_decode(student, PROMPT, 14, threshold, EOS, cached=True)
+        without = threshold_decode(student, PROMPT, 14, threshold, EOS, cached=False)
+        assert with_cache.tokens == without.tokens and with_cache.forwards == without.forwards
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_rejected_draft_rolls_the_cache_back(small_teachers, arch):
+    """Verify a draft whose third token is wrong, keep the two that hold, continue: the cached
+    forward equals the uncached one (attention KV truncated, Gated DeltaNet state restored)."""
+    student = trained_like(small_teachers, arch)
+    truth = base_greedy(student, PROMPT, 8)
+    drafts = truth[:5]
+    drafts[2] = (drafts[2] + 1) % 250  # rejected: the base's next token differs
+    canvases = [Canvas(student, PROMPT, cached=True), Canvas(student, PROMPT, cached=False)]
+    for c in canvases:
+        c.forward([], [student.info.mask_id] * 4)
+        c.keep(-1)
+    outs = [c.forward(drafts, [student.info.mask_id] * 4) for c in canvases]
+    verify = lm_head(student)(outs[0][: 1 + len(drafts)]).argmax(-1).tolist()
+    assert verify[:3] == truth[:3]  # base predictions at the newest token and the drafts
+    assert drafts[:2] == verify[:2] and drafts[2] != verify[2]
+    for c in canvases:
+        c.keep(2)
+        c.commit(drafts[:2] + [verify[2]])
+    after = [c.forward([], [student.info.mask_id] * 4) for c in canvases]
+    torch.testing.assert_close(after[0], after[1], atol=1e-5, rtol=0)
+    nxt = lm_head(student)(after[0][-5]).argmax(-1).item()  # the newest token's state predicts the next
+    assert nxt == truth[3]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculative_decoding_is_the_base_model(small_teachers, arch):
+    student = trained_like(small_teachers, arch)
+    for prompt in (PROMPT, PROMPT[:3], [258, 300, 301, 302, 303, 10] * 3):
+        out = speculative_decode(student, prompt, 20, EOS)
+        assert out.tokens == base_greedy(student, prompt, 20)
+        assert sum(out.accepted) == len(out.tokens) and len(out.accepted) == out.forwards
+
+
+def test_good_drafts_are_accepted_a_block_per_forward_and_bad_ones_cost_nothing(small_teachers):
+    """External drafts that are the base's own continuation gain a block per forward; drafts that are
+    always wrong still gain the base's next token per forward; the output is the base's either way."""
+    student = trained_like(small_teachers, "llama")
+    truth = base_greedy(student, PROMPT, 16)
+    good = speculative_decode(student, PROMPT, 16, EOS, drafter=lambda done: truth[len(done) : len(done) + 4])
+    assert good.tokens == truth and good.accepted[:3] == [5, 5, 5]  # 4 drafts held + the base's next token
+    assert good.forwards == 4
+    bad = speculative_decode(
+        student, PROMPT, 16, EOS, drafter=lambda done: [(t + 1) % 250 for t in truth[len(done) :][:4]]
+    )
+    assert bad.tokens == truth and bad.accepted == [1] * 16 and bad.forwards == 16
+
+
+def test_sampled_speculative_decoding_has_the_base_distribution(small_teachers):
+    """Temperature 1: over 600 seeds the first two tokens follow the base model's distribution
+    (chi-square at a fixed seed set), although the drafts come from another distribution."""
+    student = trained_like(small_teachers, "llama", block=2)
+    prompt = PROMPT[:4]
+    with torch.no_grad(), student.base() as model:  # the exact base distribution of token 1
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+    firsts, pairs = [], []
+    for seed in range(600):
+        gen = torch.Generator().manual_seed(seed)
+        out = speculative_decode(student, prompt, 2, [], temperature=1.0, generator=gen)
+        firsts.append(out.tokens[0])
+        pairs.append(tuple(out.tokens))
+    top = torch.topk(p1, 6).indices.tolist()
+    observed = [sum(t == k for t in firsts) for k in top] + [sum(t not in top for t in firsts)]
+    expected = [600 * float(p1[k]) for k in top] + [600 * (1 - float(p1[top].sum()))]
+    assert chi_square_p(observed, expected) > 0.001
+    # token 2 given the most common token 1
+    t1 = max(set(firsts), key=firsts.count)
+    seconds = [b for a, b in pairs if a == t1]
+    with torch.no_grad(), student.base() as model:
+        p2 = torch.softmax(model(torch.tensor([prompt + [t1]])).logits[0, -1], -1)
+    top2 = torch.topk(p2, 4).indices.tolist()
+    observed = [sum(t == k for t in seconds) for k in top2] + [sum(t not in top2 for t in seconds)]
+    expected = [len(seconds) * float(p2[k]) for k in top2] + [len(seconds) * (1 - float(p2[top2].sum()))]
+    assert chi_square_p(observed, expected) > 0.001
+
+
+# -- honest accounting ----------------------------------------------------------------------------------
+def test_tpf_is_pinned_for_a_hand_made_case(small_teachers, monkeypatch):
+    """A stand-in model with scripted confidences; block 4, threshold 0.9. Forward 1 commits response
+    positions 0 (the exact base token, though only 0.3 sure), 1 (0.95) and 3 (0.99); forward 2
+    commits 2 (now the exact first one); forward 3 commits 4, 5 (0.97), 6 = EOS (0.98) and 7, and
+    EOS has every earlier position committed, so the answer ends: 7 tokens in 3 forwards."""
+    import a2d.models.sampler as sampler_module
+
+    student = trained_like(small_teachers, "llama")
+    prompt = [5, 6, 7]
+    tokens = [8, 9, 10, 11, 12, 13, 2, 14, 15]
+    conf = [0.3, 0.95, 0.2, 0.99, 0.1, 0.97, 0.98, 0.99, 0.99]
+    vocab = 320  # holds the mask id (259): the decoder never commits it
+
+    def forward(self, clean, region):  # each fed position's absolute index, as its "hidden state"
+        start = self.in_cache
+        n = len(self.tokens) - start + len(clean) + len(region)
+        self.forwards += 1
+        self._fed = (len(self.tokens) - start, len(clean))
+        return torch.arange(start, start + n, dtype=torch.float32)[:, None]
+
+    def head(rows):  # the position r predicts response position r + 1 - len(prompt)
+        out = torch.empty(rows.shape[0], vocab)
+        for i, r in enumerate(rows[:, 0].long().tolist()):
+            q = r + 1 - len(prompt)
+            probs = torch.full((vocab,), (1 - conf[q]) / (vocab - 1))
+            probs[tokens[q]] = conf[q]
+            out[i] = probs.log()
+        return out
+
+    monkeypatch.setattr(Canvas, "forward", forward)
+    monkeypatch.setattr(
+        Canvas, "keep", lambda self, n: setattr(self, "in_cache", self.in_cache + self._fed[0] + n)
+    )
+    monkeypatch.setattr(sampler_module, "lm_head", lambda s: head)
+    out = threshold_decode(student, prompt, 20, 0.9, [2])
+    assert out.tokens == tokens[:7] and out.forwards == 3
+    assert out.commit_step == [1, 1, 2, 1, 3, 3, 3]
+    whole = threshold_decode(student, prompt, 20, 0.0, [2])  # head:k1: a whole block per forward
+    assert whole.tokens == tokens[:7] and whole.forwards == 2
+
+
+def test_the_vfm_prompt_forward_is_counted(small_teachers):
+    from a2d.models.vfm import NoiseAdapter, vfm_generate
+
+    student = trained_like(small_teachers, "llama")
+    adapter = NoiseAdapter(64, 8, width=16, layers=1, heads=2)
+    tokens, forwards = vfm_generate(student, adapter, PROMPT, 8, 1, EOS, shifted=True)
+    assert forwards == 2 and 1 <= len(tokens) <= 8  # q(z | prompt) needs the prompt forward
+    _, forwards = vfm_generate(student, adapter, PROMPT, 8, 3, [], shifted=True)
+    assert forwards == 4
+
+
+# -- training sees what decoding sees ---------------------------------------------------------------------
+def test_the_decoder_feeds_the_states_training_fed(small_teachers, monkeypatch):
+    """Record every forward of an uncached threshold decode; for each, build the training row of the
+    same state (same block, same masked positions) and compare ids, padding and open positions."""
+    student = trained_like(small_teachers, "llama")
+    seen = []
+    real = canvas_module.student_forward
+
+    def record(s, ids, pad, open_, **kw):
+        seen.append((ids[0].tolist(), open_[0].tolist()))
+        return real(s, ids, pad, open_, **kw)
+
+    monkeypatch.setattr(canvas_module, "student_forward", record)
+    out = threshold_decode(student, PROMPT, 8, 0.2, [], cached=False)
+    mask = student.info.mask_id
+    size = student.block_size
+    for ids, open_ in seen:
+        response = ids[len(PROMPT) :]
+        block = (len(response) - 1) // size
+        start = block * size
+        shown = response[start:]
+        masked = np.array([t == mask for t in response[start:]])
+        first = int(np.argmax(masked))
+        view = BlockView(block, start, np.array(out.tokens[start : start + len(shown)]), masked, 0.5, "test")
+        batch = build_batch([PROMPT], [np.array(out.tokens)], [view], mask, 0, complementary=False)
+        assert batch["ids"][0].tolist() == ids  # same tokens, masks where the decoder had masks
+        assert batch["open"][0].tolist() == open_  # the same open positions
+        assert open_.index(True) == len(PROMPT) + start + first
+        assert not any(
+            t == mask for t in ids[: len(PROMPT) + start]
+        )  # a clean prefix, nothing after the block
+    assert len(seen) == out.forwards and isinstance(out, Decoded)
