@@ -34,7 +34,7 @@ def one(model_kind: str, quant: str, align: bool | str, batch: int, seq_len: int
 
     from a2d.models.capture import capture_layers
     from a2d.models.losses import alignment_loss, masked_diffusion_loss
-    from a2d.models.student import build_student, lm_head, student_hidden
+    from a2d.models.student import build_student, lm_head, student_forward
     from a2d.models.teacher import decoder_layers
     from benchmarks.common import teacher, token_batches
 
@@ -48,7 +48,7 @@ def one(model_kind: str, quant: str, align: bool | str, batch: int, seq_len: int
         dtype,
         "cpu",
         {"rank": 16, "alpha": 32, "dropout": 0.0, "rslora": False},
-        "bidirectional",
+        "block",
         "bidirectional",
         32,
     )
@@ -65,21 +65,26 @@ def one(model_kind: str, quant: str, align: bool | str, batch: int, seq_len: int
     for step in range(steps):
         aligned = (step % 2 == 1) if align == "both" else bool(align)
         gen = torch.Generator().manual_seed(step)
+        # the decode state: a causal prefix, then an open block of 32 with about half its positions masked
         loss_mask = torch.rand(seqs.shape, generator=gen) < 0.5
+        loss_mask[:, : seq_len - 32] = False
+        loss_mask[:, seq_len - 32] = True
         ids = seqs.masked_fill(loss_mask, student.info.mask_id)
+        open_ = torch.zeros_like(loss_mask)
+        open_[:, seq_len - 32 :] = True
         start = time.perf_counter()
         captured = {}
-        with capture_layers(student.model.get_base_model(), layers if aligned else [], captured.__setitem__):
-            h = student_hidden(student, ids, torch.ones_like(ids), "bidirectional", 32)
+        with capture_layers(student.inner, layers if aligned else [], captured.__setitem__):
+            h = student_forward(student, ids, torch.ones_like(ids), open_)
         b, t = loss_mask.nonzero(as_tuple=True)
-        logits = lm_head(student)(h[b, t])
-        loss, _ = masked_diffusion_loss(
-            logits, seqs, loss_mask, loss_mask, torch.full((batch,), 0.5), "none", "masked"
-        )
+        logits = lm_head(student)(h[b, t - 1])
+        ones = torch.ones(len(b))
+        loss, _ = masked_diffusion_loss(logits, seqs[b, t], ones, ones / len(b))
         if aligned:
             loss = loss + 0.25 * alignment_loss(
-                [captured[i].reshape(-1, captured[i].shape[-1]) for i in layers],
-                [teacher_h[i].reshape(-1, teacher_h[i].shape[-1]) for i in layers],
+                [captured[i][b, t] for i in layers],
+                [teacher_h[i][b, t] for i in layers],
+                [torch.zeros(h.shape[-1]) for _ in layers],
             )
         loss.backward()
         opt.step()

@@ -102,7 +102,9 @@ class BidirectionalScan(nn.Module):
         if cache is not None and scope.segments is not None:
             fwd = self._segmented(hidden_states, cache, attention_mask, **kwargs)
         else:
-            fwd = self.inner(hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            fwd = self.inner(
+                hidden_states=hidden_states, cache=cache, attention_mask=attention_mask, **kwargs
+            )
         if self.gate is None or scope.open is None or scope.window == 0:
             return fwd
         w = scope.window
@@ -167,13 +169,15 @@ def attention_masks(
     dtype: torch.dtype,
     past: int = 0,
     hybrid: bool = False,
+    past_pad: torch.Tensor | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The attention mask of a student forward over T new tokens after `past` cached ones.
 
     pad (B, T) is 1 for real tokens, open_ (B, T) marks open positions. Full-attention layers get an
     additive (B, 1, T, past + T) mask: 0 where a query may attend, the dtype minimum elsewhere.
-    Cached tokens are real, committed and visible to every query. Linear-attention layers of a
-    hybrid get the 2D padding mask (None when nothing is padded).
+    Cached tokens are committed and visible to every query, except where `past_pad` (B, past) marks
+    them as padding. Linear-attention layers of a hybrid get the 2D padding mask (None when nothing
+    is padded).
     """
     b, t = pad.shape
     idx = torch.arange(t, device=pad.device)
@@ -189,7 +193,9 @@ def attention_masks(
         raise ValueError(f"unknown attention mode {mode!r}: use block or bidirectional")
     allowed = allowed | torch.eye(t, dtype=torch.bool, device=pad.device)[None]  # no empty rows
     if past:
-        allowed = torch.cat([torch.ones(b, t, past, dtype=torch.bool, device=pad.device), allowed], dim=2)
+        seen = past_pad.bool()[:, None, :].expand(b, t, past) if past_pad is not None else None
+        seen = seen if seen is not None else torch.ones(b, t, past, dtype=torch.bool, device=pad.device)
+        allowed = torch.cat([seen, allowed], dim=2)
     full = torch.zeros(b, 1, t, past + t, dtype=dtype, device=pad.device)
     full.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     if hybrid:
@@ -197,6 +203,7 @@ def attention_masks(
     return full
 
 
-def position_ids(pad: torch.Tensor, past: int = 0) -> torch.Tensor:
-    """Positions that skip left padding: a row's first real token is at `past`. (B, T) long."""
+def position_ids(pad: torch.Tensor, past: int | torch.Tensor = 0) -> torch.Tensor:
+    """Positions that skip left padding: a row's first new real token is at `past` (an int, or (B, 1)
+    real tokens already cached per row). (B, T) long."""
     return (pad.long().cumsum(-1) - 1).clamp(min=0) + past

@@ -28,6 +28,37 @@ def new_cache(model: torch.nn.Module):
     return DynamicCache(config=model.config)
 
 
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Re-index the cache's batch dimension (rows may repeat: one prefix serves several views)."""
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            layer.keys, layer.values = keys[rows], layer.values[rows]
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            for i, state in (states or {}).items():
+                if state is not None:
+                    states[i] = state[rows]
+
+
+class _ReadCopies(dict):
+    """A state dict whose reads return copies: a layer's in-place state update writes into a copy."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def freeze_linear_states(cache) -> None:
+    """Make the cached Gated DeltaNet states read-only for a forward with grad: the layers write their
+    updated state in place into the tensor they read (autograd saved it), so every read gets a copy.
+    Training uses this: the prefix's cache is computed once without grad and only read after."""
+    for layer in cache.layers:
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict) and not isinstance(states, _ReadCopies):
+                setattr(layer, name, _ReadCopies(states))
+
+
 def truncate_attention(cache, length: int) -> None:
     """Keep the first `length` positions of every attention layer's keys and values."""
     for layer in cache.layers:
@@ -92,7 +123,9 @@ class Canvas:
         )
         self.forwards += 1
         self._fed = (len(pending), len(clean))
-        self._states = self.student.scope.states  # this forward's rollback points (the next forward replaces the scope's)
+        self._states = (
+            self.student.scope.states
+        )  # this forward's rollback points (the next forward replaces the scope's)
         return hidden[0, len(context) :]
 
     def keep(self, clean_kept: int) -> None:

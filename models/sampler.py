@@ -154,7 +154,9 @@ def speculative_decode(
         n_pending = hidden.shape[0] - len(drafts) - len(masks)
         # base logits at the newest token and at each draft: predictions for the next k + 1 positions
         verify = head(hidden[n_pending - 1 : n_pending + len(drafts)]).float()  # (k + 1, V)
-        draft_logits = head(hidden[n_pending + len(drafts) :]).float()  # (B, V): positions after the correction
+        draft_logits = head(
+            hidden[n_pending + len(drafts) :]
+        ).float()  # (B, V): positions after the correction
         draft_logits[:, mask_id] = float("-inf")  # a draft is never the mask token; the base may emit any id
         if temperature <= 0:
             best = verify.argmax(-1).tolist()
@@ -241,7 +243,9 @@ def forced_commit_steps(
             canvas.keep(-1)
             n_pending = hidden.shape[0] - len(region)
             open_ = [i for i in range(first, end) if i not in done]
-            rows = torch.tensor([_predictor(n_pending + i - first, shifted) for i in open_], device=hidden.device)
+            rows = torch.tensor(
+                [_predictor(n_pending + i - first, shifted) for i in open_], device=hidden.device
+            )
             probs = torch.softmax(lm_head(student)(hidden[rows]).float(), -1)  # (n, V)
             truth = torch.tensor([response[i] for i in open_], device=hidden.device)
             p_true = probs.gather(-1, truth[:, None]).squeeze(-1)

@@ -226,7 +226,9 @@ def make_student(
     scope = Scope(masked=adapter_scope == "masked")
     scans = 0
     reverse = linear_attention == "bidirectional"
-    for layer in decoder_layers(model):  # every Gated DeltaNet layer: decode-cache segments, maybe a reverse scan
+    for layer in decoder_layers(
+        model
+    ):  # every Gated DeltaNet layer: decode-cache segments, maybe a reverse scan
         if hasattr(layer, "linear_attn") and not isinstance(layer.linear_attn, BidirectionalScan):
             layer.linear_attn = BidirectionalScan(layer.linear_attn, scope, reverse)
             scans += int(reverse)
@@ -286,6 +288,7 @@ def student_forward(
     cache=None,
     inputs_embeds: torch.Tensor | None = None,
     segments: list[int] | None = None,
+    past_pad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final-norm hidden states (B, T, H) of one student forward over T new tokens.
 
@@ -293,7 +296,8 @@ def student_forward(
     each row. With `cache` (a transformers Cache holding the committed prefix), the T tokens follow
     the cached ones and the cache is updated: the caller crops what must not stay. `segments` (with
     a cache) are the lengths of the clean prefix's parts after which linear-attention states are
-    saved for a rollback (see `BidirectionalScan`).
+    saved for a rollback (see `BidirectionalScan`). `past_pad` (B, past) marks the real tokens of a
+    left-padded cached prefix (training computes the prefix once without grad, then the open block).
     """
     inner = student.inner
     past = cache.get_seq_length() if cache is not None else 0
@@ -303,15 +307,17 @@ def student_forward(
         open_ = pad.bool()
     else:
         window = int(open_.sum(1).max()) if open_.numel() else 0
-    gate = open_.to(compute_dtype(inner)) if student.scope.masked else torch.ones_like(pad, dtype=torch.float32)
+    gate = (
+        open_.to(compute_dtype(inner)) if student.scope.masked else torch.ones_like(pad, dtype=torch.float32)
+    )
     student.scope.set(open_, window, gate, segments if cache is not None else None)
-    mask = attention_masks(pad, open_, mode, compute_dtype(inner), past, student.hybrid)
+    mask = attention_masks(pad, open_, mode, compute_dtype(inner), past, student.hybrid, past_pad)
     decoder = getattr(inner, inner.base_model_prefix)
     out = decoder(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
         attention_mask=mask,
-        position_ids=position_ids(pad, past),
+        position_ids=position_ids(pad, past if past_pad is None else past_pad.long().sum(1, keepdim=True)),
         cache=cache,
         use_cache=cache is not None,
     )

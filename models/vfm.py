@@ -16,12 +16,14 @@ a random share of true tokens) that replace z by the embeddings of confidently c
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from a2d.models.canvas import freeze_linear_states, new_cache, truncate_attention
 from a2d.models.student import Student, lm_head, student_forward
 
 
@@ -94,33 +96,44 @@ def kl_to_prior(mu: torch.Tensor, logvar: torch.Tensor, prior_mean: torch.Tensor
     return 0.5 * ((mu - prior_mean).pow(2) + logvar.exp() - 1.0 - logvar).sum(-1).mean()
 
 
-def prompt_states(student: Student, prompt_ids: torch.Tensor, prompt_pad: torch.Tensor) -> torch.Tensor:
-    """The student's base model's final hidden states over the prompt alone (B, P, H), causal.
+@dataclass
+class Prompt:
+    """One no-grad forward of the student's base over the (left-padded) prompts: the states q(z | prompt)
+    reads, and the cache the flow map continues from (the prompt is the causal prefix of every step)."""
 
-    No position is open, so under `adapter_scope: masked` this is the base model exactly (the same
-    states a decoder's prefill computes).
+    states: torch.Tensor  # (B, P, H) final hidden states
+    pad: torch.Tensor  # (B, P) real prompt tokens
+    cache: object  # transformers cache over the P prompt positions
+
+
+@torch.no_grad()
+def encode_prompt(student: Student, prompt_ids: torch.Tensor, prompt_pad: torch.Tensor) -> Prompt:
+    """The prompt forward. No position is open, so under `adapter_scope: masked` it is the base model
+    exactly; its cache's linear-attention states are made read-only so flow-map steps can share it."""
+    cache = new_cache(student.inner)
+    closed = torch.zeros_like(prompt_pad, dtype=torch.bool)
+    states = student_forward(student, prompt_ids, prompt_pad, closed, cache=cache)
+    freeze_linear_states(cache)
+    return Prompt(states, prompt_pad, cache)
+
+
+def flow_map_logits(student: Student, prompt: Prompt, z: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """One flow-map forward over z (B, L, H) after the cached prompt -> logits (B, L, V).
+
+    The z positions are the open block: they attend to the prompt and to each other. With shifted
+    logits the first completion position is predicted from the last prompt state (the base model's
+    own next-token logits); the rest from the z states. The cache is put back to the prompt after.
     """
-    with torch.no_grad():
-        return student_forward(student, prompt_ids, prompt_pad, torch.zeros_like(prompt_pad, dtype=torch.bool))
-
-
-def flow_map_logits(
-    student: Student, prompt_ids: torch.Tensor, prompt_pad: torch.Tensor, z: torch.Tensor, shifted: bool
-) -> torch.Tensor:
-    """One student forward over [prompt embeddings ; z] -> logits (B, L, V) for the completion positions.
-
-    Prompts are left-padded, so every completion starts at the same column; the z positions are the
-    open block (they attend to the prompt and to each other; the prompt is a causal prefix).
-    """
-    embed = student.inner.get_input_embeddings()
-    prompt_emb = embed(prompt_ids)  # (B, P, H); prompts hold no mask token
-    x = torch.cat([prompt_emb, z.to(prompt_emb.dtype)], dim=1)  # (B, P + L, H)
-    ones = torch.ones(z.shape[:2], dtype=prompt_pad.dtype, device=z.device)
-    pad = torch.cat([prompt_pad, ones], dim=1)
-    open_ = torch.cat([torch.zeros_like(prompt_pad, dtype=torch.bool), ones.bool()], dim=1)
-    hidden = student_forward(student, None, pad, open_, inputs_embeds=x)  # (B, P + L, H)
-    p, length = prompt_ids.shape[1], z.shape[1]
-    rows = hidden[:, p - 1 : p - 1 + length] if shifted else hidden[:, p : p + length]
+    b, length = z.shape[:2]
+    ones = torch.ones((b, length), dtype=prompt.pad.dtype, device=z.device)
+    p = prompt.pad.shape[1]
+    try:
+        hidden = student_forward(
+            student, None, ones, ones.bool(), cache=prompt.cache, inputs_embeds=z, past_pad=prompt.pad
+        )  # (B, L, H)
+    finally:
+        truncate_attention(prompt.cache, p)
+    rows = torch.cat([prompt.states[:, -1:].to(hidden.dtype), hidden[:, :-1]], dim=1) if shifted else hidden
     return lm_head(student)(rows)  # (B, L, V)
 
 
@@ -143,7 +156,8 @@ def vfm_generate(
     device = next(adapter.parameters()).device
     ids = torch.tensor([prompt], device=device)
     pad = torch.ones_like(ids)
-    mu, logvar = adapter(prompt_states(student, ids, pad), pad, length)
+    prompt_pass = encode_prompt(student, ids, pad)
+    mu, logvar = adapter(prompt_pass.states, pad, length)
     forwards = 1
     z = mu
     if sample:
@@ -155,13 +169,15 @@ def vfm_generate(
     tokens = torch.zeros(length, dtype=torch.long, device=device)
     eos = set(eos_ids)
     for k in range(steps):
-        logits = flow_map_logits(student, ids, pad, z, shifted)[0].float()  # (L, V)
+        logits = flow_map_logits(student, prompt_pass, z, shifted)[0].float()  # (L, V)
         logits[:, student.info.mask_id] = float("-inf")
         forwards += 1
         conf, pred = torch.softmax(logits, -1).max(-1)
         open_ = ~committed
         remaining = int(open_.sum())
-        n = remaining if k == steps - 1 else max(1, -(-remaining // (steps - k)))  # ceil share of what is left
+        n = (
+            remaining if k == steps - 1 else max(1, -(-remaining // (steps - k)))
+        )  # ceil share of what is left
         order = torch.where(open_, conf, torch.full_like(conf, -1.0)).argsort(descending=True)[:n]
         tokens[order] = pred[order]
         committed[order] = True

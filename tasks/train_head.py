@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from a2d.models.canvas import freeze_linear_states, new_cache, select_rows
 from a2d.models.capture import capture_layers
 from a2d.models.generate import eos_ids
 from a2d.models.losses import alignment_loss, masked_diffusion_loss, time_weight
@@ -136,16 +137,41 @@ def make_batch(
 
 
 def diffusion_ce(
-    student: Student, batch: dict, spec: HeadSpec, device
-) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-    """One student forward over the batch's views; the loss at the masked positions (each view
-    normalised by its own count), its stats, and the hidden states (R, T, H)."""
-    hidden = student_forward(
-        student, batch["ids"].to(device), batch["pad"].to(device), batch["open"].to(device)
-    )
+    student: Student, batch: dict, spec: HeadSpec, device, capture: list[int] | None = None
+) -> tuple[torch.Tensor, dict[str, float], dict[int, torch.Tensor], int]:
+    """The student's loss at the masked positions of the batch's views (each kind of view normalised
+    by its own count), its stats, the captured layer states and the column they start at.
+
+    Under `block` attention with `adapter_scope: masked` the prefix has no trainable parameter in it
+    (it is the base model), so it runs once per sample without grad into a cache, and only the open
+    block (plus the prefix's last position, whose logits predict the block's first token) runs with
+    grad: backward costs the block, not the whole sequence.
+    """
+    captured: dict[int, torch.Tensor] = {}
+    ids, pad, open_ = (batch[k].to(device) for k in ("ids", "pad", "open"))
+    split = 0
+    cache = None
+    if spec.attention == "block" and spec.adapter_scope == "masked":
+        split = max(0, ids.shape[1] - spec.block_size - 1)
+        primary = torch.nonzero(batch["kind"] == 0).flatten()  # one row per sample, in sample order
+        with torch.no_grad():
+            cache = new_cache(student.inner)
+            none_open = torch.zeros_like(open_[primary, :split])
+            student_forward(student, ids[primary, :split], pad[primary, :split], none_open, cache=cache)
+        select_rows(cache, batch["sample"].to(device))  # a complement shares its sample's prefix
+        freeze_linear_states(cache)
+    with capture_layers(student.inner, capture or [], captured.__setitem__):
+        hidden = student_forward(
+            student,
+            ids[:, split:],
+            pad[:, split:],
+            open_[:, split:],
+            cache=cache,
+            past_pad=pad[:, :split] if cache is not None else None,
+        )  # (R, T - split, H)
     rows, cols = batch["loss"].nonzero(as_tuple=True)
     src = cols - 1 if spec.logit_alignment == "shifted" else cols  # shifted: logits at p-1 predict p
-    logits = lm_head(student)(hidden[rows.to(device), src.to(device)])  # (N, V)
+    logits = lm_head(student)(hidden[rows.to(device), (src - split).to(device)])  # (N, V)
     # Each kind of view (primary, complement) is one mean: over its masked (or its supervised) tokens.
     per_row = (batch["loss"] if spec.normaliser == "masked" else batch["block"]).sum(1).float()  # (R,)
     per_kind = torch.zeros(2).index_add_(0, batch["kind"], per_row)  # (2,)
@@ -158,7 +184,7 @@ def diffusion_ce(
         norm.to(device),
         spec.entropy_weight,
     )
-    return loss, info, hidden
+    return loss, info, captured, split
 
 
 @dataclass
@@ -293,7 +319,7 @@ def resume(run: Run) -> int:
 
 
 def align_term(
-    run: Run, batch: dict, samples: list[dict], chosen: list[int], captured: dict, rng
+    run: Run, batch: dict, samples: list[dict], chosen: list[int], captured: dict, split: int, rng
 ) -> torch.Tensor:
     """1 - centred cos between the student's captured layers and the teacher's anchors, at the masked
     positions of the primary views (a sampled share of them)."""
@@ -309,7 +335,7 @@ def align_term(
         found, hidden = run.reader.at(sample["sample_id"], chosen, wanted)  # (k, L, H)
         if not len(found):
             continue
-        at = torch.from_numpy(found - len(sample["prompt_ids"])) + batch["offset"][row]
+        at = torch.from_numpy(found - len(sample["prompt_ids"])) + batch["offset"][row] - split
         for j, layer in enumerate(chosen):
             s_h.append(captured[layer][row, at.to(run.device)])
             t_h.append(hidden[:, j].to(run.device))
@@ -334,13 +360,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             if lam > 0
             else []
         )
-        captured: dict[int, torch.Tensor] = {}
-        with (
-            capture_layers(run.student.inner, chosen, captured.__setitem__),
-            autocast(run.device, run.precision),
-        ):
-            loss, info, _ = diffusion_ce(run.student, batch, spec, run.device)
-        align = align_term(run, batch, samples, chosen, captured, rng) if chosen else torch.zeros(())
+        with autocast(run.device, run.precision):
+            loss, info, captured, split = diffusion_ce(run.student, batch, spec, run.device, chosen)
+        align = align_term(run, batch, samples, chosen, captured, split, rng) if chosen else torch.zeros(())
         total = loss + lam * align.to(loss.device)
         run.accelerator.backward(total / spec.grad_accum)
         stats["loss"] += total.item() / spec.grad_accum

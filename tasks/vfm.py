@@ -15,7 +15,7 @@ from tqdm import tqdm
 from a2d.models.generate import eos_ids
 from a2d.models.student import apply_lora, lora_parameters
 from a2d.models.teacher import autocast, resolve_device, resolve_precision
-from a2d.models.vfm import NoiseAdapter, flow_map_logits, kl_to_prior, prompt_states
+from a2d.models.vfm import NoiseAdapter, encode_prompt, flow_map_logits, kl_to_prior
 from a2d.specs import TrainOptions, VFMSpec
 from a2d.stores import checkpoints
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
@@ -78,7 +78,8 @@ def vfm_losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch through q_φ and the flow map: (CE of the one-step logits, KL(q ‖ N(mask, I)))."""
     ids, pad, targets = (batch[k].to(device) for k in ("ids", "pad", "targets"))
-    mu, logvar = adapter(prompt_states(student, ids, pad), pad, spec.max_len)
+    prompt = encode_prompt(student, ids, pad)  # once, without grad: the flow map's prefix cache too
+    mu, logvar = adapter(prompt.states, pad, spec.max_len)
     mu, logvar = mu.float(), logvar.float()
     noise = torch.from_numpy(rng.standard_normal(mu.shape).astype(np.float32)).to(device)
     z = adapter.embed(mu + (0.5 * logvar).exp() * noise)  # reparameterised, in embedding units
@@ -89,7 +90,7 @@ def vfm_losses(
         z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
         supervised = ~keep
     shifted = dspec["logit_alignment"] == "shifted"
-    logits = flow_map_logits(student, ids, pad, z, shifted)
+    logits = flow_map_logits(student, prompt, z, shifted)
     ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])  # (B, L, V) rows
     return ce, kl_to_prior(mu, logvar, adapter.prior_mean)
 

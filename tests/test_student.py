@@ -192,3 +192,35 @@ def test_alignment_is_mean_centred():
     s, t = torch.tensor([[11.0, 10.0]]), torch.tensor([[10.0, 11.0]])  # orthogonal once centred
     assert float(alignment_loss([s], [t], [centre])) == pytest.approx(1.0)
     assert float(alignment_loss([s], [t], [torch.zeros(2)])) == pytest.approx(1 - 220 / 221, abs=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_prefix_once_without_grad_gives_the_full_forward_loss_and_gradients(small_teachers, arch):
+    """Training runs the base-model prefix once without grad into a cache and only the open block
+    with grad; loss, gradients and captured states equal one full forward with grad."""
+    from a2d.specs import HeadSpec
+    from a2d.tasks.train_head import diffusion_ce
+
+    student = trained_like(small_teachers, arch)
+    sampler = ViewSampler(0, 10, 4, r_max=1.0)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 250, n)) for n in (5, 9, 7)]
+    responses = [rng.integers(3, 250, n) for n in (13, 6, 9)]
+    views = [sampler.view(0, 0, i, "s", r, 257, False, None, 10) for i, r in enumerate(responses)]
+    batch = build_batch(prompts, responses, views, student.info.mask_id, 0, complementary=True)
+    assert (batch["kind"] == 1).any()  # complements share their sample's cached prefix
+    results = []
+    for scope in ("masked", "all"):  # "all" in the spec turns the split off; the student stays masked-scope
+        spec = HeadSpec(block_size=4, adapter_scope=scope, entropy_weight=0.1, weighting="inv_t")
+        student.model.zero_grad()
+        loss, _, captured, split = diffusion_ce(student, batch, spec, "cpu", capture=[1])
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in student.model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, captured[1][:, -4:].detach(), split))
+    (a, ga, ca, split), (b, gb, cb, none) = results
+    assert split > 0 and none == 0
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ca, cb, atol=1e-5, rtol=1e-5)

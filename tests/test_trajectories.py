@@ -6,7 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from a2d.flows.pipeline import pipeline
-from a2d.models.trajectory import ViewSampler, confidence_trajectory, snapshot
+from a2d.models.trajectory import confidence_trajectory, snapshot
+from a2d.models.views import ViewSampler
 from a2d.stores.anchors import AnchorReader
 from a2d.stores.artifacts import ArtifactStore
 from a2d.stores.readers import read_trajectories
@@ -53,13 +54,15 @@ def test_sampler_refuses_a_trajectory_from_another_response(built):
     store, cfg, refs = built
     recs = read_trajectories(ArtifactStore(store), refs["trajectories"])
     a, b = list(recs.values())[:2]
-    sampler = ViewSampler(seed=0, total_steps=10, window_sizes=(8,))
-    view = sampler.view(0, 0, 0, 0, a["sample_id"], a["response_ids"], b)
-    assert view.source == "random" and sampler.fallbacks == {"sample_id_mismatch": 1}
-    forged = {**b, "sample_id": a["sample_id"]}
-    sampler.view(0, 0, 0, 1, a["sample_id"], a["response_ids"], forged)
+    sampler = ViewSampler(seed=0, total_steps=10, block_size=8)
+
+    def view(index, traj):
+        return sampler.view(0, 0, index, a["sample_id"], a["response_ids"], 257, True, traj, max_blocks=4)
+
+    assert view(0, b).source == "random" and sampler.fallbacks == {"sample_id_mismatch": 1}
+    view(1, {**b, "sample_id": a["sample_id"]})
     assert sampler.fallbacks["ids_mismatch"] + sampler.fallbacks["length_mismatch"] == 1
-    assert sampler.view(0, 0, 0, 2, a["sample_id"], a["response_ids"], a).source == "trajectory"
+    assert view(2, a).source == "trajectory"
 
 
 def test_anchors_from_other_responses_are_refused(built, tmp_path):

@@ -1,4 +1,4 @@
-"""Pseudo-trajectory math: decode simulation round trip, snapshot sizes, curriculum views and pairing."""
+"""Pseudo-trajectory math: decode simulation round trip, snapshot sizes, the curriculum schedule and pairing."""
 
 from __future__ import annotations
 
@@ -11,18 +11,13 @@ import numpy as np
 import pytest
 
 from a2d.models.trajectory import (
-    MaskView,
-    ViewSampler,
     check_pairing,
     confidence_trajectory,
     mask_ratio_bounds,
-    random_view,
     snapshot,
     snapshot_json_bytes,
-    trajectory_view,
-    view_rng,
-    window_size_at,
 )
+from a2d.models.views import ViewSampler
 
 CASES = [(1, 1, 1), (7, 3, 2), (37, 8, 3), (64, 32, 8), (50, 16, 16), (33, 64, 5), (20, 20, 7), (100, 256, 4)]
 
@@ -108,54 +103,11 @@ def test_snapshot_json_bytes_matches_serialisation() -> None:
 
 
 def test_schedules() -> None:
-    assert mask_ratio_bounds(0, 100, 0.0, 0.8, 0.8) == (0.0, 0.8)
-    assert mask_ratio_bounds(50, 100, 0.0, 0.8, 0.8)[0] == pytest.approx(0.4)
-    assert mask_ratio_bounds(500, 100, 0.0, 0.8, 0.8)[0] == pytest.approx(0.8)
+    assert mask_ratio_bounds(0, 100, 0.0, 0.8, 1.0) == (0.0, 1.0)
+    assert mask_ratio_bounds(50, 100, 0.0, 0.8, 1.0)[0] == pytest.approx(0.4)
+    assert mask_ratio_bounds(500, 100, 0.0, 0.8, 1.0)[0] == pytest.approx(0.8)
     with pytest.raises(ValueError):
         mask_ratio_bounds(0, 100, 0.0, 0.9, 0.8)
-    assert [window_size_at(s, 90, (16, 24, 32)) for s in (0, 29, 30, 59, 60, 89, 90, 1000)] == [
-        16, 16, 24, 24, 32, 32, 32, 32,
-    ]  # fmt: skip
-    a, b = view_rng(1, 2, 3, 4).integers(0, 2**31, 4), view_rng(1, 2, 3, 4).integers(0, 2**31, 4)
-    np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, view_rng(1, 2, 3, 5).integers(0, 2**31, 4))
-
-
-def _check_window_invariants(view: MaskView, length: int) -> None:
-    start, end = view.window
-    assert 0 <= start < end <= length
-    assert not view.masked[:start].any() and not view.complement[:start].any()
-    assert view.masked[end:].all() and view.complement[end:].all()
-    np.testing.assert_array_equal(view.complement[start:end], ~view.masked[start:end])
-
-
-def test_trajectory_view_tracks_ratio_and_teacher_order() -> None:
-    rng = np.random.default_rng(0)
-    errors = []
-    for _ in range(600):
-        length = int(rng.integers(48, 160))
-        unmask_step, _ = confidence_trajectory(rng.random(length), 32, 8)
-        ratio = float(rng.uniform(0.0, 1.0))
-        view = trajectory_view(unmask_step, 32, ratio, rng)
-        _check_window_invariants(view, length)
-        start, end = view.window
-        assert end - start == 32 and view.source == "trajectory"
-        inside = view.masked[start:end]
-        errors.append(abs(inside.mean() - ratio))
-        # A teacher state: every clean window position was committed no later than every masked one.
-        if inside.any() and (~inside).any():
-            assert unmask_step[start:end][~inside].max() <= unmask_step[start:end][inside].min()
-    assert np.mean(errors) < 0.05
-
-
-def test_random_view_and_short_response() -> None:
-    rng = np.random.default_rng(1)
-    view = random_view(100, 32, 0.25, rng)
-    _check_window_invariants(view, 100)
-    assert view.masked[view.window[0] : view.window[1]].sum() == 8 and view.source == "random"
-    short = trajectory_view(np.array([1, 2, 3], dtype=np.int16), 32, 0.5, rng)
-    assert short.window == (0, 3)
-    np.testing.assert_array_equal(short.masked, [False, True, True])
 
 
 def _paired(length: int, seed: int) -> tuple[np.ndarray, dict[str, Any]]:
@@ -166,25 +118,25 @@ def _paired(length: int, seed: int) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def test_sampler_is_deterministic_per_step_and_index() -> None:
-    sampler = ViewSampler(seed=7, total_steps=100)
+    sampler = ViewSampler(seed=7, total_steps=100, block_size=32)
     ids, traj = _paired(128, 0)
 
     def masks(step: int, index: int) -> np.ndarray:
-        return sampler.view(step, 0, 0, index, "s0", ids, traj).masked
+        v = sampler.view(step, 0, index, "s0", ids, 0, False, traj, max_blocks=4)
+        return np.concatenate([[v.block], v.masked])
 
     np.testing.assert_array_equal(masks(5, 0), masks(5, 0))
     assert not np.array_equal(masks(5, 0), masks(6, 0))
     assert not np.array_equal(masks(5, 0), masks(5, 1))
-    assert sampler.view(5, 0, 0, 0, "s0", ids, traj).source == "trajectory"
+    assert sampler.view(5, 0, 0, "s0", ids, 0, False, traj, 4).source == "trajectory"
     assert not sampler.fallbacks
 
 
 def test_sampler_ratio_follows_curriculum() -> None:
-    sampler = ViewSampler(seed=0, total_steps=100, r_min_start=0.0, r_min_end=0.8, r_max=0.8)
+    sampler = ViewSampler(seed=0, total_steps=100, block_size=32, r_min_start=0.0, r_min_end=1.0, r_max=1.0)
     ids, traj = _paired(128, 0)
-    late = [sampler.view(100, 0, mb, 0, "s0", ids, traj) for mb in range(50)]
-    assert all(v.ratio == pytest.approx(0.8) for v in late)
-    assert all(v.window[1] - v.window[0] == 32 for v in late)
+    late = [sampler.view(100, mb, 0, "s0", ids, 0, False, traj, 4) for mb in range(50)]
+    assert all(v.ratio == pytest.approx(1.0) and v.masked.all() for v in late)  # every position masked
 
 
 @pytest.mark.parametrize(
@@ -199,10 +151,10 @@ def test_sampler_ratio_follows_curriculum() -> None:
 def test_mismatch_falls_back_to_random(reason: str, edit: Callable[..., tuple[str, np.ndarray, Any]]) -> None:
     ids, traj = _paired(64, 0)
     sample_id, response_ids, trajectory = edit("s0", ids, traj)
-    sampler = ViewSampler(seed=0, total_steps=10)
-    view = sampler.view(3, 0, 0, 0, sample_id, response_ids, trajectory)
+    sampler = ViewSampler(seed=0, total_steps=10, block_size=16)
+    view = sampler.view(3, 0, 0, sample_id, response_ids, 0, False, trajectory, 4)
     assert view.source == "random"
-    assert view.masked.shape == response_ids.shape
+    assert view.masked.shape == (16,) and view.masked.any()
     assert sampler.fallbacks == {reason: 1}
     got = check_pairing(
         None if trajectory is None else trajectory["sample_id"],

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from a2d.models.losses import masked_diffusion_loss  # noqa: E402
-from a2d.models.student import lm_head, make_student, student_hidden  # noqa: E402
+from a2d.models.student import lm_head, make_student, student_forward  # noqa: E402
 from a2d.models.teacher import byte_tokenizer, decoder_layers  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 
@@ -71,9 +71,10 @@ def main() -> None:
         tok,
         "nf4",
         {"rank": args.rank, "alpha": 2 * args.rank, "dropout": 0.0, "rslora": False},
-        "bidirectional",
+        "block",
         "bidirectional",
         32,
+        "masked",
         gradient_checkpointing=True,
     )
     student.model.train()
@@ -81,7 +82,12 @@ def main() -> None:
     opt = torch.optim.AdamW(params_trained, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, seq), generator=gen)
+    # the decode state of the last block: a causal prefix, then a 32-token open block, half masked
     loss_mask = torch.rand((1, seq), generator=gen) < 0.5
+    loss_mask[:, : seq - 32] = False
+    loss_mask[:, seq - 32] = True
+    open_ = torch.zeros_like(loss_mask)
+    open_[:, seq - 32 :] = True
     inp = ids.masked_fill(loss_mask, student.info.mask_id).to(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -90,18 +96,11 @@ def main() -> None:
         sync(device)
         t0 = time.perf_counter()
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            h = student_hidden(student, inp, torch.ones_like(inp), "bidirectional", 32)
+            h = student_forward(student, inp, torch.ones_like(inp), open_.to(device))
             b, t = loss_mask.nonzero(as_tuple=True)
-            logits = lm_head(student)(h[b.to(device), t.to(device)])
-        loss, _ = masked_diffusion_loss(
-            logits,
-            ids.to(device),
-            loss_mask.to(device),
-            loss_mask.to(device),
-            torch.full((1,), 0.5, device=device),
-            "none",
-            "masked",
-        )
+            logits = lm_head(student)(h[b.to(device), (t - 1).to(device)])
+        ones = torch.ones(len(b), device=device)
+        loss, _ = masked_diffusion_loss(logits, ids[b, t].to(device), ones, ones / len(b))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
