@@ -187,7 +187,10 @@ class HeadSpec(Spec):
         "bidirectional", description="Hybrid models: linear-attention scan direction(s)"
     )
     block_size: int = Field(
-        32, ge=1, le=8192, description="Open-block size, the same for training and decoding (diffusion_spec.json)"
+        32,
+        ge=1,
+        le=8192,
+        description="Open-block size, the same for training and decoding (diffusion_spec.json)",
     )
     logit_alignment: Literal["shifted", "aligned"] = Field(
         "shifted", description="shifted: logits at i predict token i+1 (AR-style); aligned: token i"
@@ -198,7 +201,9 @@ class HeadSpec(Spec):
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="uniform: smallest mask ratio")
     r_min_start: float = Field(0.0, ge=0.0, le=1.0, description="trajectory: lower bound of r at the start")
     r_min_end: float = Field(0.8, ge=0.0, le=1.0, description="trajectory: lower bound of r at the end")
-    r_max: float = Field(1.0, gt=0.0, le=1.0, description="trajectory: upper bound of r (decode blocks start at 1)")
+    r_max: float = Field(
+        1.0, gt=0.0, le=1.0, description="trajectory: upper bound of r (decode blocks start at 1)"
+    )
     complementary: bool = Field(True, description="Also train on the complementary mask (its own t)")
     entropy_weight: float = Field(
         0.1, ge=0.0, le=100.0, description="Weight of d3LLM's entropy-on-correct sharpening term (0 disables)"
@@ -214,7 +219,10 @@ class HeadSpec(Spec):
         1.0, gt=0.0, le=1.0, description="Share of a view's masked tokens aligned"
     )
     align_from: float = Field(
-        0.75, ge=0.0, lt=1.0, description="Only layers at or past this share of the depth are aligned (late layers)"
+        0.75,
+        ge=0.0,
+        lt=1.0,
+        description="Only layers at or past this share of the depth are aligned (late layers)",
     )
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps")
     micro_batch_size: int = Field(4, ge=1, le=1024, description="Samples per micro-batch per process")
