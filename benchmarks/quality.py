@@ -22,7 +22,10 @@ FIELDS = (
     "exact_match",
     "answer_accuracy",
     "repetition_rate",
+    "mean_accepted",
+    "mismatches_vs_student_base",
     "samples",
+    "ci95",
 )
 
 
@@ -50,9 +53,14 @@ def main() -> None:
         {
             "config": Path(args.config).name,
             "eval_key": refs["eval"].key,
-            "samplers": {name: {k: s.get(k) for k in FIELDS} for name, s in doc["samplers"].items()},
+            "samplers": {
+                name: {k: s.get(k) for k in FIELDS} if "tpf" in s else s
+                for name, s in doc["samplers"].items()
+            },
             "aup": doc["aup"],
             "aup_metric": doc["aup_metric"],
+            "aup_metric_reason": doc.get("aup_metric_reason"),
+            "counting": doc.get("counting"),
         },
     )
 

@@ -1,4 +1,4 @@
-"""The `a2d` command line: run, ls, show, verify, serve."""
+"""The `a2d` command line: run, ls, show, verify, generate, serve."""
 
 from __future__ import annotations
 
@@ -157,6 +157,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] for r in results) else 1
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from a2d.stores.artifacts import ArtifactStore
+    from a2d.tasks.generation import find_head, generate, render_steps
+
+    store = ArtifactStore(_store_arg(args))
+    head = find_head(store, args.head)
+    print(f"head {head.key}  sampler {args.sampler}", file=sys.stderr)
+
+    def stream(piece: str) -> None:
+        print(piece, end="", flush=True)
+
+    gen = generate(
+        store, head, args.prompt, args.sampler, args.max_new_tokens, args.threshold, args.device, stream
+    )
+    print()
+    if args.show_steps:
+        print(render_steps(gen))
+    print(
+        f"{len(gen.tokens)} tokens, {gen.forwards} forwards ({len(gen.tokens) / max(gen.forwards, 1):.2f} tokens "
+        f"per forward), {gen.tokens_per_s:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from a2d.deployments.serve import serve
 
@@ -200,6 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("key", nargs="?", help="one artifact (default: all)")
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(fn=cmd_verify)
+
+    gen = with_store(sub.add_parser("generate", help="answer a prompt with a trained head, streamed"))
+    gen.add_argument(
+        "--prompt", required=True, help="the user message (the teacher's chat template is applied)"
+    )
+    gen.add_argument("--head", help="head key (a unique prefix; default: the newest complete head)")
+    gen.add_argument(
+        "--sampler",
+        choices=["spec", "threshold", "ar"],
+        default="spec",
+        help="spec: lossless self-speculative (the base model's own output); threshold: parallel, lossy; "
+        "ar: the base model one token per forward",
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--threshold", type=float, default=0.9, help="threshold sampler: commit confidence")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--show-steps", action="store_true", help="print which tokens each forward committed")
+    gen.set_defaults(fn=cmd_generate)
 
     serve = with_store(
         sub.add_parser(

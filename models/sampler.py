@@ -39,6 +39,9 @@ class Decoded:
     accepted: list[int] = field(default_factory=list)  # speculative: tokens gained per forward
 
 
+OnStep = Callable[[list[int], list[int]], None]  # (response so far, positions this forward committed)
+
+
 def _predictor(position: int, shifted: bool) -> int:
     """Index of the fed position whose logits predict `position` (AR-style shift, or the position itself)."""
     return position - 1 if shifted else position
@@ -62,11 +65,14 @@ def threshold_decode(
     criterion: str = "confidence",
     cached: bool = True,
     block_size: int | None = None,
+    on_step: OnStep | None = None,
 ) -> Decoded:
     """Decode one prompt; `criterion` is "confidence" (p >= threshold) or "entropy" (H <= threshold).
 
     threshold 0 with confidence commits a whole block per forward (head:k1). `block_size` defaults
-    to the student's trained one (the only size it was trained for).
+    to the student's trained one (the only size it was trained for). `on_step(response, committed)`
+    is called after every forward with the response committed left to right so far and the
+    response positions that forward committed (for streaming and `a2d generate --show-steps`).
     """
     size = block_size or student.block_size
     mask_id, eos = student.info.mask_id, set(eos_ids)
@@ -100,15 +106,19 @@ def threshold_decode(
                 take[0] = True  # the base model's own next token
             elif not bool(take.any()):
                 take[int(conf.argmax())] = True  # force the best so the block progresses
+            committed = []
             for i in torch.nonzero(take).flatten().tolist():
                 block[first + open_idx[i]] = int(pred[i])
                 block_steps[first + open_idx[i]] = canvas.forwards
+                committed.append(len(out) + first + open_idx[i])
             while first < n and block[first] is not None:
                 canvas.commit([block[first]])
                 first += 1
                 if block[first - 1] in eos:  # EOS with every earlier position committed: the answer ends
                     done, n = True, first
                     break
+            if on_step is not None:
+                on_step(out + block[:first], committed)
             if done:
                 break
         out.extend(block[:n])
@@ -125,6 +135,7 @@ def speculative_decode(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     drafter: Callable[[list[int]], list[int]] | None = None,
+    on_step: OnStep | None = None,
 ) -> Decoded:
     """Lossless self-speculative decoding: the head drafts a block, the base verifies it in the same forward.
 
@@ -170,6 +181,8 @@ def speculative_decode(
         canvas.keep(j)
         new, stop = _cut_at_eos(new[: max_new_tokens - len(out)], eos)
         canvas.commit(new)
+        if on_step is not None:
+            on_step(out + new, list(range(len(out), len(out) + len(new))))
         out.extend(new)
         steps.extend([canvas.forwards] * len(new))
         accepted.append(len(new))

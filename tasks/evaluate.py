@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from a2d.specs import EvalSpec
 from a2d.stores import bundled
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
-from a2d.stores.readers import EVAL_SHARD, read_metrics, read_responses
+from a2d.stores.readers import EVAL_SHARD, read_metrics, read_prompts, read_responses
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import artifact_key as prefect_key
@@ -32,6 +33,7 @@ from a2d.tasks.students import load_flow_map, load_student, load_vfm
 STAGE = "eval"
 FORMAT_VERSION = 3  # 3: decode-state samplers, honest forward counts, CIs
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documented default)
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # a2d's own lm-eval tasks (a2d_bundled)
 COUNTING_RULES = (
     "a forward is one model call over whatever it is fed (draft+verify once; the VFM prompt forward counts); "
     "tokens are generated response tokens up to and including EOS; prompt tokens are not counted"
@@ -57,9 +59,62 @@ def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
 
 
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
-    """The eval key: the eval spec, the samplers it runs and every artifact it evaluates."""
+    """The eval key: the eval spec, the samplers it runs, every artifact it evaluates, and the
+    lm-eval version when it runs lm-eval tasks (their prompts and metrics change between versions)."""
     payload = {**spec.model_dump(mode="json"), "samplers": sampler_names(spec, "vfm" in upstream)}
+    if not spec.lm_eval_tasks:  # without tasks the lm-eval fields change nothing: keep older keys
+        for name in ("lm_eval_tasks", "lm_eval_limit", "lm_eval_sampler"):
+            payload.pop(name)
+    else:
+        payload["lm_eval_version"] = lm_eval_version()
     return KeyInputs(STAGE, FORMAT_VERSION, payload, upstream)
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lm_eval")
+    except PackageNotFoundError:
+        raise ValueError(
+            "eval.lm_eval_tasks needs lm-evaluation-harness: pip install 'a2d-pipeline[eval]'"
+        ) from None
+
+
+def export_heldout(rows: list[dict], prompts: dict[str, str], path) -> None:
+    """The evaluated rows as lm-eval's a2d_bundled task reads them: templated prompt, answer, kind."""
+    with open(path, "w") as f:
+        for r in rows:
+            doc = {
+                "sample_id": r["sample_id"],
+                "prompt_text": prompts[r["sample_id"]],
+                "answer": r["answer"],
+                "kind": r["kind"],
+            }
+            f.write(json.dumps(doc) + "\n")
+
+
+def run_lm_eval(
+    store: ArtifactStore, spec: EvalSpec, head: ArtifactRef, student: Student, dspec: dict, heldout
+) -> dict:
+    """lm-eval's own evaluator over `spec.lm_eval_tasks` with the head's student (already loaded)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from a2d.tasks.harness import A2DLM
+
+    model = A2DLM(
+        store=store.root.uri, head=head.key, sampler=spec.lm_eval_sampler, student=student, dspec=dspec
+    )
+    results = lm_eval.simple_evaluate(
+        model=model,
+        tasks=list(spec.lm_eval_tasks),
+        limit=spec.lm_eval_limit,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), metadata={"path": str(heldout)}),
+        gen_kwargs=f"max_gen_toks={spec.max_new_tokens}",
+        log_samples=False,
+    )
+    return json.loads(json.dumps(results, default=str))
 
 
 def correct(text: str, answer: str | None, kind: str | None) -> bool | None:
@@ -186,9 +241,17 @@ def decoders(
 
 
 def evaluate(
-    store: ArtifactStore, spec: EvalSpec, refs: dict[str, ArtifactRef], device: str = "cpu"
+    store: ArtifactStore,
+    spec: EvalSpec,
+    refs: dict[str, ArtifactRef],
+    device: str = "cpu",
+    out: Path | None = None,
 ) -> dict[str, Any]:
-    """Decode the held-out prompts with every sampler; returns the metrics document."""
+    """Decode the held-out prompts with every sampler; returns the metrics document.
+
+    With `out`, the evaluated rows are exported there (heldout.jsonl, lm-eval's a2d_bundled task
+    format), and lm-eval's results (lm_eval.json) when `spec.lm_eval_tasks` asks for tasks.
+    """
     rows = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
     rows = rows[: spec.max_samples] if spec.max_samples else rows
     if not rows:
@@ -216,6 +279,16 @@ def evaluate(
         vfm = (load_vfm(store, refs["vfm"], device), load_flow_map(store, refs["vfm"], student, device))
     names = sampler_names(spec, "vfm" in refs)
     built = decoders(names, student, untrained, teacher, tok, eos, spec, dspec, vfm)
+    lm_eval_doc = None
+    if out is not None:
+        prompts_ref = store.ref("prompts", store.manifest(refs["responses"])["upstream"]["prompts"])
+        texts = {
+            r["sample_id"]: r["prompt_text"] for r in read_prompts(store, prompts_ref, "eval").to_pylist()
+        }
+        export_heldout(rows, texts, out / "heldout.jsonl")
+        if spec.lm_eval_tasks:
+            lm_eval_doc = run_lm_eval(store, spec, refs["head"], student, dspec, out / "heldout.jsonl")
+            (out / "lm_eval.json").write_text(json.dumps(lm_eval_doc, indent=2, sort_keys=True, default=str))
     results: dict[str, Any] = {}
     for name in names:
         if name not in built:
@@ -244,6 +317,23 @@ def evaluate(
         "max_new_tokens": spec.max_new_tokens,
         "diffusion_spec": dspec,
         "counting": COUNTING_RULES,
+        "lm_eval": lm_eval_summary(lm_eval_doc) if lm_eval_doc else None,
+    }
+
+
+def lm_eval_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's per-task metrics (stderr dropped) and the a2d model's counted totals."""
+    tasks = {
+        task: {
+            k.split(",")[0]: v for k, v in metrics.items() if "stderr" not in k and k != "alias" and "," in k
+        }
+        for task, metrics in doc.get("results", {}).items()
+    }
+    config = doc.get("config", {})
+    return {
+        "version": doc.get("lm_eval_version") or lm_eval_version(),
+        "tasks": tasks,
+        "model": {k: v for k, v in config.items() if k.startswith("a2d_")},
     }
 
 
@@ -268,22 +358,11 @@ def eval_run(
     """Evaluate, then publish metrics.json, speed_quality.png and report.md as the `report` shard."""
     store = ArtifactStore(store_uri)
     dev = str(resolve_device(device))
-    with gpu_slot():
-        doc = evaluate(store, spec, refs, dev)
-    meta = {
-        "held-out samples": doc["samples"],
-        "max new tokens": doc["max_new_tokens"],
-        "AUP metric": f"{doc['aup_metric']} ({doc['aup_metric_reason']})",
-        "counting": doc["counting"],
-        **{f"{k} key": v.key for k, v in refs.items()},
-    }
-    report = markdown_report({name: doc["samplers"][name] for name in doc["sampler_order"]}, doc["aup"], meta)
     with store.shard_output(ref, SHARD) as out:
         out.mkdir()
-        (out / "metrics.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
-        (out / "report.md").write_text(report)
-        plot_speed_quality(doc["samplers"], str(out / "speed_quality.png"))
-        files = {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
+        with gpu_slot():
+            doc = evaluate(store, spec, refs, dev, out)
+        files = publish_report(doc, refs, out)
     if in_prefect_run():
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -294,8 +373,46 @@ def eval_run(
         create_table_artifact(
             key=prefect_key("a2d", "eval", "samplers"), table=table, description="eval: every sampler"
         )
-        create_markdown_artifact(key=prefect_key("a2d", "eval", "report"), markdown=report)
+        create_markdown_artifact(key=prefect_key("a2d", "eval", "report"), markdown=report_text(doc, refs))
     return store.write_marker(ref, SHARD, files, {"rows": doc["samples"], "tokens": 0, "aup": doc["aup"]})
+
+
+def report_text(doc: dict[str, Any], refs: dict[str, ArtifactRef]) -> str:
+    meta = {
+        "held-out samples": doc["samples"],
+        "max new tokens": doc["max_new_tokens"],
+        "AUP metric": f"{doc['aup_metric']} ({doc['aup_metric_reason']})",
+        "counting": doc["counting"],
+        **{f"{k} key": v.key for k, v in refs.items()},
+    }
+    report = markdown_report({name: doc["samplers"][name] for name in doc["sampler_order"]}, doc["aup"], meta)
+    if doc.get("lm_eval"):
+        lm = doc["lm_eval"]
+        lines = [
+            "",
+            f"## lm-evaluation-harness {lm['version']}",
+            "",
+            "| task | metric | value |",
+            "|:---|:---|---:|",
+        ]
+        for task, metrics in lm["tasks"].items():
+            lines += [f"| {task} | {m} | {v:.4f} |" for m, v in metrics.items() if isinstance(v, int | float)]
+        model = lm["model"]
+        lines += [
+            "",
+            f"Sampler {model.get('a2d_sampler')}: {model.get('a2d_tokens_per_forward')} tokens per forward, "
+            f"{model.get('a2d_tokens_per_s')} tokens/s over {model.get('a2d_generations')} generations.",
+        ]
+        report += "\n".join(lines) + "\n"
+    return report
+
+
+def publish_report(doc: dict[str, Any], refs: dict[str, ArtifactRef], out: Path) -> dict[str, str]:
+    """metrics.json, report.md and the plot into the shard folder; their checksums."""
+    (out / "metrics.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+    (out / "report.md").write_text(report_text(doc, refs))
+    plot_speed_quality(doc["samplers"], str(out / "speed_quality.png"))
+    return {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
 
 
 def summarise(markers: dict[str, dict]) -> dict[str, Any]:

@@ -23,6 +23,11 @@ from tests.conftest import ROOT
             "gpu_qlora_tiny.json",
             {"peak_memory_gb", "step_seconds", "lora_modules", "seq_len"},
         ),
+        (
+            "decode_27b.py",
+            "gpu_decode_tiny.json",
+            {"ar_step_seconds", "spec_forward_seconds", "spec_forward_vs_ar_step", "block"},
+        ),
     ],
 )
 def test_gpu_script_runs_tiny(script, result, fields, tmp_path):
@@ -35,6 +40,8 @@ def test_gpu_script_runs_tiny(script, result, fields, tmp_path):
     )
     doc = json.loads((tmp_path / result).read_text())
     assert fields <= set(doc) and doc["shape"] == "tiny"
+    if "spec_forward_seconds" in doc:
+        assert doc["spec_forward_seconds"] > 0 and doc["ar_step_seconds"] > 0
     if "lora_modules" in doc:
         assert (
             doc["lora_modules"] == doc["nf4_linears"] == 62

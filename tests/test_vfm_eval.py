@@ -128,7 +128,8 @@ def test_eval_reports_every_sampler(built):
     st = ArtifactStore(store)
     out = st.loc(refs["eval"]).local_path() / "report"
     doc = json.loads((out / "metrics.json").read_text())
-    names = list(doc["samplers"])
+    names = doc["sampler_order"]
+    assert set(doc["samplers"]) == set(names)
     assert names == [  # configs/tiny.yaml: thresholds [0.9, 0.5], entropy [1.0], VFM K in [1, 2]
         "ar:greedy",
         "ar:student-base",
@@ -196,3 +197,110 @@ def test_a_new_sampler_changes_the_eval_key():
         assert evaluate.key_inputs(spec, up).key != base.key
     finally:
         evaluate.sampler_names = original
+
+
+def test_a2d_generate_streams_counts_and_explains_its_errors(built, tmp_path, capsys):
+    from a2d.flows.cli import main
+
+    store, cfg, refs = built
+    args = ["generate", "--prompt", "What is 2 + 3?", "--store", store, "--max-new-tokens", "10"]
+    outputs = {}
+    for sampler in ("spec", "ar", "threshold"):
+        assert main([*args, "--sampler", sampler, "--show-steps"]) == 0
+        out, err = capsys.readouterr()
+        assert f"head {refs['head'].key}" in err and " tokens, " in err and "tokens/s" in err
+        steps = [line for line in out.splitlines() if line.startswith("forward ")]
+        forwards = int(err.split(" forwards")[0].rsplit(" ", 1)[1])
+        assert len(steps) == forwards  # one line per forward, each naming what it committed
+        outputs[sampler] = out.split("\nforward ")[0]
+    assert outputs["spec"] == outputs["ar"]  # lossless: the base model's own answer
+    assert main([*args, "--head", "zzzz"]) == 2
+    assert "no head artifact with key 'zzzz'" in capsys.readouterr().err
+    assert main([*args[:-4], "--store", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "no trained head" in err and "a2d run" in err
+
+
+# -- lm-evaluation-harness ------------------------------------------------------------------------------------
+def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path):
+    """`lm_eval --model a2d` through lm-eval's own command line, on the rows the eval stage exported:
+    the same generations, so its exact match is the eval stage's answer accuracy for that sampler."""
+    import subprocess
+    import sys
+
+    from a2d.tasks.evaluate import TASKS_DIR
+
+    store, cfg, refs = built
+    st = ArtifactStore(store)
+    report = st.loc(refs["eval"]).local_path() / "report"
+    doc = json.loads((report / "metrics.json").read_text())
+    heldout = report / "heldout.jsonl"
+    assert len(heldout.read_text().splitlines()) == doc["samples"]
+    cli = [
+        sys.executable, "-m", "lm_eval", "run", "--model", "a2d",
+        "--model_args", f"store={store},head={refs['head'].key},sampler=spec",
+        "--tasks", "a2d_bundled", "--include_path", str(TASKS_DIR),
+        "--metadata", json.dumps({"path": str(heldout)}), "--limit", "4",
+        "--gen_kwargs", f"max_gen_toks={cfg.eval.max_new_tokens}",
+        "--output_path", str(tmp_path / "out"), "--log_samples", "--device", "cpu",
+    ]  # fmt: skip
+    subprocess.run(cli, check=True, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    (result,) = (tmp_path / "out").rglob("results_*.json")
+    scores = json.loads(result.read_text())
+    assert (
+        scores["results"]["a2d_bundled"]["exact_match,none"]
+        == doc["samplers"]["spec:head"]["answer_accuracy"]
+    )
+    assert scores["config"]["a2d_sampler"] == "spec" and scores["config"]["a2d_forwards"] >= doc["samples"]
+    (samples,) = (tmp_path / "out").rglob("samples_a2d_bundled_*.jsonl")
+    generated = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(st.loc(refs["teacher"]).local_path() / "model")
+    wanted = [tok.decode(t, skip_special_tokens=True) for t in doc["samplers"]["spec:head"]["outputs"]]
+    assert sorted(generated) == sorted(wanted)  # token for token the eval stage's spec decode
+
+
+def test_lm_eval_loglikelihood_is_the_base_model(built):
+    from a2d.tasks.harness import A2DLM
+
+    store, cfg, refs = built
+    model = A2DLM(store=store, head=refs["head"].key)
+
+    class Request:
+        def __init__(self, *args):
+            self.args = args
+
+    context, continuation = "What is 2 + 3?", " It is 5."
+    ((got, greedy),) = model.loglikelihood([Request(context, continuation)])
+    ctx = model.tok(context, add_special_tokens=False)["input_ids"]
+    cont = model.tok(context + continuation, add_special_tokens=False)["input_ids"][len(ctx) :]
+    with torch.no_grad(), model.student.base() as base:
+        logp = torch.log_softmax(base(torch.tensor([ctx + cont])).logits[0].float(), -1)
+    want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+    assert got == pytest.approx(want, abs=1e-4) and isinstance(greedy, bool)
+    (rolling,) = model.loglikelihood_rolling([Request(continuation)])
+    assert rolling < 0
+
+
+def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
+    store, cfg, refs = built
+    with_tasks = cfg.model_copy(
+        update={"eval": cfg.eval.model_copy(update={"lm_eval_tasks": ("a2d_bundled",), "lm_eval_limit": 2})}
+    )
+    first = pipeline(with_tasks, until="eval")["eval"]
+    assert first != refs["eval"]  # the tasks and the lm-eval version are in the key
+    st = ArtifactStore(store)
+    report = st.loc(first).local_path() / "report"
+    stored = json.loads((report / "lm_eval.json").read_text())
+    assert "a2d_bundled" in stored["results"]
+    doc = json.loads((report / "metrics.json").read_text())
+    assert (
+        set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"} and doc["lm_eval"]["model"]["a2d_sampler"] == "spec"
+    )
+    assert "lm-evaluation-harness" in (report / "report.md").read_text()
+    manifest = (st.loc(first).local_path() / "manifest.json").stat().st_mtime_ns
+    assert pipeline(with_tasks, until="eval")["eval"] == first
+    assert (
+        st.loc(first).local_path() / "manifest.json"
+    ).stat().st_mtime_ns == manifest  # reused, not rebuilt

@@ -1,0 +1,139 @@
+"""Decode benchmark: the demo head's samplers against the AR teacher with its KV cache, in one run.
+
+    python benchmarks/decode.py [--config configs/demo.yaml] [--store ./a2d-store] [--samples N]
+
+Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`). On the
+held-out prompts it times, interleaved prompt by prompt so machine load hits every sampler alike:
+AR greedy (the teacher, KV cache), transformers' prompt-lookup decoding, lossless self-speculative
+decoding with the head, and threshold decoding with and without the exact prefix cache. Writes
+benchmarks/results/decode.json with ratios (speed-ups are tokens/s ratios measured in this run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--store", default=None)
+    ap.add_argument("--samples", type=int, default=0, help="held-out prompts (0 = all)")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--threshold", type=float, default=0.9)
+    args = ap.parse_args()
+    import torch
+
+    from a2d.flows.pipeline import plan
+    from a2d.models.generate import eos_ids, generate_batch
+    from a2d.models.sampler import speculative_decode, threshold_decode
+    from a2d.specs import load_config
+    from a2d.stores.artifacts import ArtifactStore
+    from a2d.stores.readers import read_responses
+    from a2d.tasks import teacher as teacher_stage
+    from a2d.tasks.students import load_student
+    from benchmarks.common import write_result
+
+    cfg = load_config(args.config, [f"store={args.store}"] if args.store else [])
+    refs = plan(cfg, "head")
+    store = ArtifactStore(cfg.store)
+    if not store.is_complete(refs["head"]):
+        raise SystemExit(
+            f"no complete head at {refs['head'].uri}: run `a2d run {args.config} --until head` first"
+        )
+    rows = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
+    rows = rows[: args.samples] if args.samples else rows
+    teacher, tok = teacher_stage.tm.load_teacher(
+        teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
+    )
+    student, dspec = load_student(store, refs["head"])
+    eos, n = eos_ids(teacher, tok), args.max_new_tokens
+
+    def counted_generate(model, prompt, lookup=0):
+        count = [0]
+        handle = model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        try:
+            if lookup:
+                ids = torch.tensor([prompt])
+                new = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=tok.pad_token_id,
+                    prompt_lookup_num_tokens=lookup,
+                )[0, len(prompt) :].tolist()
+                tokens = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+            else:
+                tokens = generate_batch(model, [prompt], n, eos, tok.pad_token_id).response_ids[0]
+        finally:
+            handle.remove()
+        return tokens, count[0]
+
+    def base_generate(prompt, lookup=0):
+        with student.base() as model:
+            return counted_generate(model, prompt, lookup)
+
+    samplers = {
+        "ar:greedy": lambda p: counted_generate(teacher, p),
+        "ar:student-base": base_generate,
+        "ar:prompt-lookup": lambda p: base_generate(p, lookup=10),
+        "spec:head": lambda p: (lambda d: (d.tokens, d.forwards))(speculative_decode(student, p, n, eos)),
+        "threshold:cached": lambda p: (lambda d: (d.tokens, d.forwards))(
+            threshold_decode(student, p, n, args.threshold, eos, dspec["logit_alignment"], cached=True)
+        ),
+        "threshold:uncached": lambda p: (lambda d: (d.tokens, d.forwards))(
+            threshold_decode(student, p, n, args.threshold, eos, dspec["logit_alignment"], cached=False)
+        ),
+    }
+    stats = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": []} for name in samplers}
+    with torch.no_grad():
+        samplers["ar:greedy"](rows[0]["prompt_ids"])  # warm-up, not timed
+        for r in rows:
+            for name, fn in samplers.items():
+                start = time.perf_counter()
+                tokens, forwards = fn(r["prompt_ids"])
+                st = stats[name]
+                st["seconds"] += time.perf_counter() - start
+                st["tokens"] += len(tokens)
+                st["forwards"] += forwards
+                st["outputs"].append(tokens)
+    for st in stats.values():
+        st["tpf"] = round(st["tokens"] / max(st["forwards"], 1), 4)
+        st["tokens_per_s"] = round(st["tokens"] / st["seconds"], 3)
+    base = stats["ar:student-base"]["outputs"]
+    mismatches = {
+        name: sum(a != b for a, b in zip(stats[name]["outputs"], base, strict=True))
+        for name in ("spec:head", "ar:prompt-lookup")
+    }
+    ar = stats["ar:greedy"]["tokens_per_s"]
+    write_result(
+        "decode",
+        {
+            "config": Path(args.config).name,
+            "head_key": refs["head"].key,
+            "samples": len(rows),
+            "max_new_tokens": n,
+            "threshold": args.threshold,
+            "spec_tpf": stats["spec:head"]["tpf"],
+            "spec_speedup_vs_ar": round(stats["spec:head"]["tokens_per_s"] / ar, 4),
+            "prompt_lookup_speedup_vs_ar": round(stats["ar:prompt-lookup"]["tokens_per_s"] / ar, 4),
+            "cached_speedup_vs_uncached": round(
+                stats["threshold:cached"]["tokens_per_s"] / stats["threshold:uncached"]["tokens_per_s"], 4
+            ),
+            "lossless_mismatches": mismatches,
+            "samplers": {k: {f: v for f, v in s.items() if f != "outputs"} for k, s in stats.items()},
+            "rules": "a forward is one model call (draft+verify counts once); tokens are response tokens incl. EOS",
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""a2d as an lm-evaluation-harness model: `lm_eval --model a2d --model_args store=URI,head=KEY,sampler=spec`.
+
+- `generate_until` decodes with an a2d sampler (spec, threshold, entropy, vfm, ar), honouring the
+  request's `until` strings and `max_gen_toks`;
+- `loglikelihood` and `loglikelihood_rolling` score with the student's base model as an AR model
+  (adapters off, causal): exact log-probabilities, so multiple-choice tasks work too;
+- every generation's forwards and tokens are counted, and the run's totals (tokens per forward,
+  tokens/s) go into lm-eval's results under `config` (`get_model_info`).
+
+lm-eval finds the model by the `lm_eval.models` entry point (lm-eval versions with plugin
+discovery) or, for lm-eval 0.4.13, through `a2d.tasks.harness_hook` (installed as a .pth file).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from a2d.models.generate import eos_ids, generate_batch
+from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
+from a2d.models.student import Student
+from a2d.models.vfm import vfm_generate
+from a2d.stores.artifacts import ArtifactStore
+from a2d.tasks.generation import find_head
+from a2d.tasks.students import load_flow_map, load_student, load_vfm
+
+SAMPLERS = ("spec", "threshold", "entropy", "vfm", "ar")
+
+
+@register_model("a2d")
+class A2DLM(LM):
+    """An a2d head (and optionally its VFM) from a store, decoding with one sampler."""
+
+    def __init__(
+        self,
+        store: str = "./a2d-store",
+        head: str | None = None,
+        sampler: str = "spec",
+        threshold: float = 0.9,
+        vfm: str | None = None,
+        vfm_steps: int = 1,
+        max_gen_toks: int = 256,
+        device: str = "cpu",
+        student: Student | None = None,
+        dspec: dict | None = None,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        if sampler not in SAMPLERS:
+            raise ValueError(f"a2d sampler {sampler!r} unknown: use one of {', '.join(SAMPLERS)}")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # lm-eval's command line defaults to cuda; a CPU machine runs on the CPU
+        self.store = ArtifactStore(store)
+        self.head_ref = find_head(self.store, head)
+        if student is None:
+            student, dspec = load_student(self.store, self.head_ref, device)
+        self.student, self.dspec = student, dspec or {}
+        self.sampler, self.threshold = sampler, float(threshold)
+        self.max_gen_toks = int(max_gen_toks)
+        self.vfm = None
+        if sampler == "vfm":
+            if not vfm:
+                raise ValueError("sampler=vfm needs vfm=KEY (a vfm artifact of this head)")
+            ref = self.store.find(f"vfm/{vfm}")
+            self.vfm = (load_vfm(self.store, ref, device), load_flow_map(self.store, ref, student, device))
+            self.vfm_steps = int(vfm_steps)
+        self.tok = student.tok
+        self.eos = eos_ids(student.inner, self.tok)
+        self.totals = {"requests": 0, "tokens": 0, "forwards": 0, "seconds": 0.0}
+
+    # -- generation ------------------------------------------------------------------------------------------
+    def _decode(self, ids: list[int], budget: int) -> Decoded:
+        s = self.student
+        alignment = self.dspec.get("logit_alignment", "shifted")
+        if self.sampler == "spec":
+            return speculative_decode(s, ids, budget, self.eos)
+        if self.sampler in ("threshold", "entropy"):
+            criterion = "confidence" if self.sampler == "threshold" else "entropy"
+            return threshold_decode(s, ids, budget, self.threshold, self.eos, alignment, criterion)
+        if self.sampler == "vfm":
+            adapter, flow_map = self.vfm
+            length = min(budget, adapter.config["max_len"])
+            return Decoded(
+                *vfm_generate(
+                    flow_map, adapter, ids, length, self.vfm_steps, self.eos, alignment == "shifted"
+                ),
+                [],
+            )
+        with s.base() as base:
+            tokens = generate_batch(base, [ids], budget, self.eos, self.tok.pad_token_id).response_ids[0]
+        return Decoded(tokens, len(tokens), [])
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in requests:
+            context, gen_kwargs = request.args
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            budget = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+            ids = self.tok(context, add_special_tokens=False)["input_ids"]
+            start = time.perf_counter()
+            decoded = self._decode(ids, budget)
+            self.totals["seconds"] += time.perf_counter() - start
+            self.totals["requests"] += 1
+            self.totals["tokens"] += len(decoded.tokens)
+            self.totals["forwards"] += decoded.forwards
+            text = self.tok.decode(decoded.tokens, skip_special_tokens=True)
+            for stop in until:  # cut at the first stop string, as lm-eval's own models do
+                if stop and stop in text:
+                    text = text.split(stop, 1)[0]
+            out.append(text)
+        return out
+
+    # -- likelihoods (the student's base model, exactly) ---------------------------------------------------------
+    @torch.no_grad()
+    def _logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Sum of log p(continuation | context) under the base model, and whether it is its greedy choice."""
+        ids = torch.tensor([context + continuation], device=next(self.student.model.parameters()).device)
+        with self.student.base() as base:
+            logits = base(input_ids=ids).logits[0].float()  # (T, V)
+        logp = torch.log_softmax(logits[len(context) - 1 : -1], -1)  # predictions of the continuation
+        target = torch.tensor(continuation, device=logp.device)
+        total = float(logp.gather(-1, target[:, None]).sum())
+        return total, bool((logp.argmax(-1) == target).all())
+
+    def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        whole = self.tok(context + continuation, add_special_tokens=False)["input_ids"]
+        ctx = self.tok(context, add_special_tokens=False)["input_ids"]
+        if whole[: len(ctx)] != ctx or len(whole) == len(ctx):  # a token straddles the boundary
+            return ctx, self.tok(continuation, add_special_tokens=False)["input_ids"]
+        return ctx, whole[len(ctx) :]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for request in requests:
+            context, continuation = request.args
+            ctx, cont = self._split(context, continuation)
+            if not ctx:  # nothing to condition on: start from EOS, as lm-eval's HF model does
+                ctx = [self.eos[0]]
+            out.append(self._logprob(ctx, cont))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for request in requests:
+            (text,) = request.args
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            out.append(self._logprob([self.eos[0]], ids)[0] if ids else 0.0)
+        return out
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def get_model_info(self) -> dict[str, Any]:
+        """The run's totals, written into lm-eval's results under `config`."""
+        t = self.totals
+        return {
+            "a2d_head": self.head_ref.key,
+            "a2d_sampler": self.sampler,
+            "a2d_generations": t["requests"],
+            "a2d_generated_tokens": t["tokens"],
+            "a2d_forwards": t["forwards"],
+            "a2d_tokens_per_forward": round(t["tokens"] / t["forwards"], 4) if t["forwards"] else None,
+            "a2d_tokens_per_s": round(t["tokens"] / t["seconds"], 3) if t["seconds"] else None,
+            "a2d_counting": "a forward is one model call (draft+verify once); tokens are response tokens incl. EOS",
+        }
