@@ -113,6 +113,72 @@ def run(model_kind: str, quant: str, align: bool | str, args: argparse.Namespace
     return json.loads(line[len("RESULT ") :])
 
 
+def alignment_row(config: str, store: str | None, steps: int, samples: int) -> dict:
+    """Held-out masked CE after `steps` training steps with and without anchor alignment (same data,
+    masks, seed), on the demo store: does alignment carry signal at equal steps?"""
+    import numpy as np
+    import torch
+
+    from a2d.flows.pipeline import plan
+    from a2d.models.views import ViewSampler, build_batch
+    from a2d.specs import TrainOptions, load_config
+    from a2d.stores.artifacts import ArtifactStore
+    from a2d.stores.readers import read_responses
+    from a2d.tasks.train_head import TrainJob, diffusion_ce, resume, setup, train
+
+    cfg = load_config(config, [f"store={store}"] if store else [])
+    refs = plan(cfg, "trajectories")
+    st = ArtifactStore(cfg.store)
+    if not st.is_complete(refs["trajectories"]):
+        raise SystemExit(
+            f"no trajectories at {refs['trajectories'].uri}: run `a2d run {config} --until trajectories`"
+        )
+    held_out = [r for r in read_responses(st, refs["responses"]).to_pylist() if r["split"] == "eval"][
+        :samples
+    ]
+    out = {}
+    for weight in (0.0, cfg.head.align_weight or 0.25):
+        spec = cfg.head.model_copy(update={"steps": steps, "align_weight": weight})
+        work = Path("/tmp/a2d-bench") / f"align-{weight}"
+        job = TrainJob(
+            store_uri=st.root.uri, head=st.ref("head", f"bench-align-{weight}"), teacher=refs["teacher"],
+            teacher_spec=cfg.teacher, responses=refs["responses"], anchors=refs["anchors"],
+            trajectories=refs["trajectories"], spec=spec, train=TrainOptions(checkpoint_every=steps, log_every=steps),
+            workdir=str(work),
+        )  # fmt: skip
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+        history = train(job)["history"]
+        run = setup(job)
+        resume(run)
+        run.student.model.eval()
+        sampler = ViewSampler(1234, 1, spec.block_size, r_min_start=0.0, r_min_end=0.0, r_max=1.0)
+        eos, ces = run.token_ids["eos"], []
+        with torch.no_grad():
+            for i, r in enumerate(held_out):
+                response = np.asarray(r["response_ids"])
+                finished = bool(len(response)) and int(response[-1]) in run.token_ids["eos_set"]
+                view = sampler.view(0, 0, i, r["sample_id"], response, eos, finished, None, 64)
+                batch = build_batch(
+                    [r["prompt_ids"]], [response], [view], run.token_ids["mask"], run.token_ids["pad"], False
+                )
+                _, info, _, _ = diffusion_ce(
+                    run.student, batch, spec.model_copy(update={"entropy_weight": 0.0}), run.device
+                )
+                ces.append(info["ce"])
+        out["with_alignment" if weight else "without_alignment"] = {
+            "align_weight": weight,
+            "held_out_ce": round(float(np.mean(ces)), 4),
+            "final_train_align": history[-1]["align"],
+        }
+    out["held_out_ce_ratio_with_vs_without"] = round(
+        out["with_alignment"]["held_out_ce"] / out["without_alignment"]["held_out_ce"], 4
+    )
+    out.update({"steps": steps, "held_out_samples": len(held_out)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
@@ -122,6 +188,12 @@ def main() -> None:
     ap.add_argument(
         "--timing-steps", type=int, default=10, help="alternating plain/aligned steps of the timing run"
     )
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"), help="alignment row: the data")
+    ap.add_argument("--store", default=None, help="alignment row: store with the config's trajectories")
+    ap.add_argument(
+        "--align-steps", type=int, default=30, help="alignment row: training steps per arm (0 skips)"
+    )
+    ap.add_argument("--align-samples", type=int, default=24, help="alignment row: held-out samples")
     args = ap.parse_args()
     from benchmarks.common import teacher, write_result
 
@@ -143,6 +215,11 @@ def main() -> None:
             "nf4": nf4,
             "bf16": bf16,
             "nf4_alternating_timing": timing,
+            "alignment": (
+                alignment_row(args.config, args.store, args.align_steps, args.align_samples)
+                if args.align_steps
+                else None
+            ),
             "note": "CPU resident-memory high-water mark of the whole process during training steps; on CPU the NF4 "
             "kernels dequantise to the compute dtype, so the ratio is far from the GPU one",
         },
