@@ -293,7 +293,7 @@ def setup(job: TrainJob) -> Run:
         sampler=sampler,
         token_ids=token_ids,
         align_layers=late,
-        align_centre=reader.layer_means(late) if spec.align_weight > 0 else None,
+        align_centre=reader.layer_means(late),
         params=params,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec)),
