@@ -39,7 +39,8 @@ def test_the_wheel_installs_only_the_a2d_namespace(tmp_path):
     top_level = next(n for n in names if n.endswith("top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["a2d"]
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == {"a2d"}
+    # Besides the package: only the .pth hook that registers the lm-eval model (README, "lm-eval").
+    assert tops == {"a2d", "a2d-lm-eval.pth"}
     for folder in FOLDERS:
         assert f"a2d/{folder}/__init__.py" in names, folder
     assert "a2d/deployments/prefect.yaml" in names and "a2d/flows/cli.py" in names

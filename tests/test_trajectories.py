@@ -14,7 +14,12 @@ from a2d.stores.readers import read_trajectories
 from a2d.tasks.trajectories import response_confidence
 from tests.conftest import tiny_config
 
-SMALL = ["prompts.bundled_rows=12", "prompts.rows_per_shard=4", "responses.max_new_tokens=12"]
+SMALL = [
+    "prompts.bundled_rows=12",
+    "prompts.rows_per_shard=4",
+    "responses.max_new_tokens=12",
+    "trajectories.block_size=8",  # blocks larger than their steps: more than one token per step
+]
 
 
 @pytest.fixture(scope="module")
