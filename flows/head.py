@@ -45,4 +45,5 @@ def head_flow(
         opts,
         stage.summarise,
         fan_out=False,
+        stoppable=True,
     )

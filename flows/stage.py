@@ -6,12 +6,14 @@ Flows call `run_sharded` with the stage's key inputs (from the one `key_inputs` 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from a2d.specs import RunOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer
 from a2d.stores.keys import KeyInputs
+from a2d.tasks.interrupt import forward_sigterm
 from a2d.tasks.report import publish_stage_table
 from a2d.tasks.runtime import logger
 
@@ -49,6 +51,7 @@ def run_sharded(
     opts: RunOptions,
     metrics: Callable[[dict[str, dict]], dict[str, Any]] | None = None,
     fan_out: bool = True,
+    stoppable: bool = False,
 ) -> ArtifactRef:
     """Build the artifact `inputs` names, shard by shard, with at most `opts.workers` shard tasks in flight.
 
@@ -56,6 +59,8 @@ def run_sharded(
     checksums still verify are kept and only the rest run; the manifest is written last. `shards`
     may be a callable, evaluated only when there is work to do (listing them can read a dataset).
     `fan_out=False` runs the shards one at a time in this process (single-shard training stages).
+    `stoppable=True` (training stages) hands SIGTERM from this, the flow's main thread, to the shard
+    task's stop action (`a2d.tasks.interrupt`): it checkpoints and fails with a "rerun to resume" error.
     """
     log = logger()
     timer = Timer()
@@ -87,15 +92,16 @@ def run_sharded(
         _run_on_dask(shard_task, [shard_kwargs(ref, s) for s in pending], workers, opts.dask_address)
         pending = []
     # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
-    for start in range(0, len(pending), workers):
-        wave = pending[start : start + workers]
-        if hasattr(shard_task, "submit"):
-            futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
-            for future in futures:
-                future.result()
-        else:
-            for s in wave:
-                shard_task(**shard_kwargs(ref, s))
+    with forward_sigterm(f"the {ref.stage} stage") if stoppable else contextlib.nullcontext():
+        for start in range(0, len(pending), workers):
+            wave = pending[start : start + workers]
+            if hasattr(shard_task, "submit"):
+                futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
+                for future in futures:
+                    future.result()
+            else:
+                for s in wave:
+                    shard_task(**shard_kwargs(ref, s))
     markers = {s: store.marker(ref, s) for s in shards}
     stage_metrics = metrics(markers) if metrics else {}
     stage_metrics["seconds"] = round(timer.seconds, 3)

@@ -39,4 +39,5 @@ def vfm_flow(
         opts,
         stage.summarise,
         fan_out=False,
+        stoppable=True,
     )

@@ -424,7 +424,20 @@ def train(job: TrainJob) -> dict[str, Any]:
     }
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel send this process SIGTERM when the process that launched it dies.
+
+    A task process killed outright (SIGKILL, OOM) cannot forward anything; the trainer then still
+    checkpoints its current step and stops instead of running on as an orphan.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     argv = argv if argv is not None else sys.argv[1:]
     job = TrainJob.model_validate_json(Path(argv[0]).read_text())
     result = train(job)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a2d.flows.pipeline import pipeline
+from a2d.flows.pipeline import STEPS, pipeline
+from a2d.flows.pipeline import plan as pipeline_plan
 from a2d.models.sampler import threshold_decode
 from a2d.models.student import BidirectionalScan, build_student, lm_head, student_hidden
 from a2d.models.teacher import build_random_teacher
@@ -344,52 +345,105 @@ def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
     assert json.dumps(out["history"][-1]["loss"]).encode() in record
 
 
-TERMINATED = """
-import logging, sys
-from pathlib import Path
-from a2d.tasks.head import run_training
-from a2d.tasks.train_head import TrainJob
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)
-run_training(TrainJob.model_validate_json(Path(sys.argv[1]).read_text()))
+FLOW_RUN = """
+import sys
+from a2d.flows.pipeline import STEPS, plan
+from a2d.specs import load_config
+config = load_config(sys.argv[1])
+refs = plan(config, sys.argv[2])  # the upstream artifacts exist: run the stage's own flow
+STEPS[sys.argv[2]].run(config, refs)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_sigterm_to_the_task_saves_the_current_step_and_stops(data, tmp_path, processes):
-    """SIGTERM (pod eviction, cancellation) reaches the task process; it is forwarded to the trainer
-    (through accelerate/torchrun to every rank), which checkpoints the step it is on and exits; the
-    task then fails with a resumable error."""
-    from a2d.stores import checkpoints
+def trainers(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line names `marker`: a trainer and its ranks."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(d))
+    return found
 
-    store, cfg, refs = data
-    spec = cfg.head.model_copy(update={"steps": 1000})  # far more than can run before the signal lands
-    job = _job(store, cfg, refs, spec, workdir_=tmp_path / "w").model_copy(
-        update={"train": cfg.train.model_copy(update={"log_every": 1, "num_processes": processes})}
-    )
-    (tmp_path / "job.json").write_text(job.model_dump_json())
+
+def sigterm_flow_run(cfg, stage: str, tmp_path, ready: str, trainer: str | None = None) -> str:
+    """Run the flow of `stage` in a child process (the flow on its main thread, the stage's task on a
+    worker thread, as in a served run), SIGTERM it once a log line contains `ready`, and return its
+    stderr. Fails unless the child exits by itself with 1 and no process naming `trainer` outlives it."""
+    from prefect.settings import PREFECT_API_URL
+
+    (tmp_path / "config.yaml").write_text(json.dumps(cfg.model_dump(mode="json")))
+    env = {**os.environ, "PYTHONPATH": ROOT, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the run's log lines are what the test watches
     proc = subprocess.Popen(
-        [sys.executable, "-c", TERMINATED, str(tmp_path / "job.json")],
-        env={**os.environ, "PYTHONPATH": ROOT},
+        [sys.executable, "-c", FLOW_RUN, str(tmp_path / "config.yaml"), stage],
+        env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert proc.stderr is not None
-    for line in proc.stderr:
-        if "train progress" in line:  # step 1 is done; the trainer is inside step 2
-            proc.send_signal(signal.SIGTERM)
-            break
-    err = proc.communicate(timeout=600)[1]
-    assert proc.returncode == 1, err[-2000:]
-    assert "train stopped" in err and "Stopped: head training stopped by SIGTERM at step" in err
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if ready in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines.append(proc.communicate(timeout=600)[1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        orphans = trainers(trainer) if trainer else []
+        for pid in orphans:  # never leave them running, whatever the outcome
+            os.kill(pid, signal.SIGKILL)
+    err = "".join(lines)
+    assert proc.returncode == 1, f"exit {proc.returncode}:\n{err[-3000:]}"
+    assert not orphans, f"trainer processes {orphans} outlived the flow run"
+    return err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_to_a_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(data, tmp_path, processes):
+    """SIGTERM to the process of a real flow run (pod eviction, Prefect cancellation): the flow's main
+    thread forwards it to the trainer that the head task (on a worker thread) launched; the trainer
+    (through accelerate to every rank) checkpoints the step it is on and exits; the run fails with a
+    "rerun to resume" error; no trainer is left behind; a rerun resumes from that checkpoint."""
+    from a2d.stores import checkpoints
+
+    store, cfg, refs = data
+    cfg = cfg.model_copy(
+        update={
+            "head": cfg.head.model_copy(update={"steps": 40, "seed": processes}),  # a key per case
+            "train": cfg.train.model_copy(
+                update={"log_every": 1, "checkpoint_every": 100, "num_processes": processes}
+            ),
+        }
+    )
+    head = pipeline_plan(cfg)["head"]
+    err = sigterm_flow_run(cfg, "head", tmp_path, "train progress", trainer=f"{head.key}/job.json")
+    assert "rerun the head stage to resume" in err, err[-3000:]
     step = int(re.search(r"stopped by SIGTERM at step (\d+)", err).group(1))
-    assert 1 <= step < 100
-    # the checkpoint of the step it stopped on, whether or not on the checkpoint_every=3 grid
-    last = checkpoints.latest(tmp_path / "w" / "checkpoints")
-    assert last.name == f"step-{step:08d}"
+    assert 1 <= step < 40
+    work = ArtifactStore(store).loc(head).local_path()
+    last = checkpoints.latest(work / "checkpoints")
+    assert last is not None and last.name == f"step-{step:08d}"  # the step it was on, off the every-100 grid
     assert json.loads((last / checkpoints.STATE).read_text())["world"] == processes
+    assert not ArtifactStore(store).is_complete(head)
+    if processes == 1:  # a 2-process resume is checked for exactness in test_scale
+        resumed = STEPS["head"].run(cfg, refs)
+        history = ArtifactStore(store).manifest(resumed)["shards"]["adapter"]["history"]
+        assert resumed == head and history[0]["step"] == step + 1 and history[-1]["step"] == 40
 
 
 def test_head_stage_publishes_a_loadable_adapter_and_decodes(data, tmp_path, monkeypatch, capsys):

@@ -146,3 +146,37 @@ def test_checkpoints_mirrored_to_a_remote_store_resume_on_another_machine(tmp_pa
     got = checkpoints.restore(remote, tmp_path / "c")
     assert got is not None and got.name == "step-00000002"
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-00000002"]
+
+
+@pytest.mark.parametrize("damage", [b"", b'{"step": 2, "files": {"ad', b"[1, 2]", b'"state"', b"{}"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, damage):
+    """An empty, truncated or non-object state.json (a crash mid-write) never blocks a resume."""
+    from a2d.stores import checkpoints
+
+    remote = Location.of(f"memory://a2d-ckpt-bad-{tmp_path.name}/vfm/k/checkpoints")
+    model = _Adapter(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    root = tmp_path / "work"
+    for step in (1, 2):
+        checkpoints.publish(root, step, 3, model, {}, opt, None, step, {}, remote=remote)
+    (root / "step-00000002" / "state.json").write_bytes(damage)
+    remote.write_bytes("step-00000002/state.json", damage)
+    assert checkpoints.latest(root).name == "step-00000001"
+    assert checkpoints.restore(remote, tmp_path / "fresh").name == "step-00000001"
+    # the next save replaces it; keep=1 then removes both older folders, the damaged one too
+    checkpoints.publish(root, 3, 1, model, {}, opt, None, 3, {})
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+
+
+def test_a_checkpoint_save_cut_short_leaves_no_scratch_behind(tmp_path):
+    from a2d.stores import checkpoints
+
+    model = _Adapter(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    root = tmp_path / "work"
+    checkpoints.publish(root, 1, 2, model, {}, opt, None, 1, {})
+    (root / "step-00000002.tmp" / "adapter").mkdir(parents=True)  # a save killed mid-write
+    (root / "step-00000005.download").mkdir()  # a restore killed mid-download
+    assert checkpoints.latest(root).name == "step-00000001"
+    checkpoints.publish(root, 3, 2, model, {}, opt, None, 3, {})
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000003"]
