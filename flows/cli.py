@@ -58,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Checksums are re-hashed only when every artifact is complete: otherwise the stages verify
     # what they reuse themselves, and hashing here first would read every shard twice.
     complete = all(store.is_complete(r) for r in refs.values())
-    if complete and all(store.reusable(r, verify=config.run.verify_reuse) for r in refs.values()):
+    if complete and all(_reusable(store, r, config.run.verify_reuse) for r in refs.values()):
         for stage, ref in refs.items():
             print(f"reuse {stage:<12} {ref.key}  (complete at {ref.uri})")
     else:
@@ -76,6 +76,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reusable(store: Any, ref: Any, verify: bool) -> bool:
+    """`store.reusable` under the artifact's lock: it may repair or demote what it checks."""
+    with store.lock(ref):
+        return store.reusable(ref, verify=verify)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
@@ -86,10 +92,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        r["state"] = "complete" if r["complete"] else "partial"
+        r["state"] = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
         r["shards"] = f"{r['shards_done']}/{r['shards_total']}"
         r["size"] = _human(r["bytes"])
     print(_table(rows, ["stage", "key", "state", "shards", "size", "created"]) if rows else "no artifacts")
+    for r in rows:
+        for problem in r["damaged"]:
+            print(f"  {r['stage']}/{r['key']}: {problem}; a rerun of the stage repairs it")
     return 0
 
 

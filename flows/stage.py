@@ -65,47 +65,54 @@ def run_sharded(
     log = logger()
     timer = Timer()
     ref = store.ref_for(inputs)
-    if store.reusable(ref, verify=opts.verify_reuse):
-        log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
-        publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
-        return ref
-    plan = store.plan(ref)
-    if callable(shards):  # a partial or demoted artifact keeps the shards it planned
-        shards = plan["shards"] if plan else shards()
-    shards = list(shards)
-    store.write_plan(ref, inputs, shards)
-    pending = []
-    for shard in shards:
-        if store.finished_shard(ref, shard, verify=opts.verify_reuse) is None:
-            store.discard_shard(ref, shard)
-            pending.append(shard)
-    log.info(
-        "%s %s: %d of %d shards already finished, running %d",
-        ref.stage,
-        ref.key,
-        len(shards) - len(pending),
-        len(shards),
-        len(pending),
-    )
-    workers = opts.workers if fan_out else 1
-    if fan_out and opts.runner == "dask" and pending:
-        _run_on_dask(shard_task, [shard_kwargs(ref, s) for s in pending], workers, opts.dask_address)
+    # One run builds an artifact at a time: a second run waits here, then finds it complete.
+
+    def waiting() -> None:
+        log.info("%s %s: another run is building it; waiting for it to finish", ref.stage, ref.key)
+
+    with store.lock(ref, on_wait=waiting):
+        store.clean_scratch(ref)  # what a killed run left behind
+        if store.reusable(ref, verify=opts.verify_reuse):
+            log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
+            publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
+            return ref
+        plan = store.plan(ref)
+        if callable(shards):  # a partial or demoted artifact keeps the shards it planned
+            shards = plan["shards"] if plan else shards()
+        shards = list(shards)
+        store.write_plan(ref, inputs, shards)
         pending = []
-    # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
-    with forward_sigterm(f"the {ref.stage} stage") if stoppable else contextlib.nullcontext():
-        for start in range(0, len(pending), workers):
-            wave = pending[start : start + workers]
-            if hasattr(shard_task, "submit"):
-                futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
-                for future in futures:
-                    future.result()
-            else:
-                for s in wave:
-                    shard_task(**shard_kwargs(ref, s))
-    markers = {s: store.marker(ref, s) for s in shards}
-    stage_metrics = metrics(markers) if metrics else {}
-    stage_metrics["seconds"] = round(timer.seconds, 3)
-    store.commit(ref, stage_metrics)
-    log.info("%s %s: committed %s", ref.stage, ref.key, ref.uri)
-    publish_stage_table(store, ref, seconds=timer.seconds, reused=False)
-    return ref
+        for shard in shards:
+            if store.finished_shard(ref, shard, verify=opts.verify_reuse) is None:
+                store.discard_shard(ref, shard)
+                pending.append(shard)
+        log.info(
+            "%s %s: %d of %d shards already finished, running %d",
+            ref.stage,
+            ref.key,
+            len(shards) - len(pending),
+            len(shards),
+            len(pending),
+        )
+        workers = opts.workers if fan_out else 1
+        if fan_out and opts.runner == "dask" and pending:
+            _run_on_dask(shard_task, [shard_kwargs(ref, s) for s in pending], workers, opts.dask_address)
+            pending = []
+        # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
+        with forward_sigterm(f"the {ref.stage} stage") if stoppable else contextlib.nullcontext():
+            for start in range(0, len(pending), workers):
+                wave = pending[start : start + workers]
+                if hasattr(shard_task, "submit"):
+                    futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
+                    for future in futures:
+                        future.result()
+                else:
+                    for s in wave:
+                        shard_task(**shard_kwargs(ref, s))
+        markers = {s: store.marker(ref, s) for s in shards}
+        stage_metrics = metrics(markers) if metrics else {}
+        stage_metrics["seconds"] = round(timer.seconds, 3)
+        store.commit(ref, stage_metrics)
+        log.info("%s %s: committed %s", ref.stage, ref.key, ref.uri)
+        publish_stage_table(store, ref, seconds=timer.seconds, reused=False)
+        return ref

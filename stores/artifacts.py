@@ -6,11 +6,18 @@ Layout of one artifact:
     _markers/<shard>.json one per finished shard: its files with sha256, rows, tokens, stats
     <shard files>         part-00000.parquet, part-00000.zarr/…, model/…
     manifest.json         written last and atomically: only its presence makes the artifact complete
+
+Metadata that cannot be read (a truncated manifest.json or marker) is treated like a failed
+checksum: it is named, the artifact is demoted to partial, and a rerun rebuilds what it covered. A
+marker lost under an intact manifest is rewritten from the manifest once the shard's files verify.
+One run at a time builds an artifact (`ArtifactStore.lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import shutil
 import subprocess
@@ -24,7 +31,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from a2d.stores.keys import KeyInputs, canonical, sha256_file, sha256_stream, sha256_tree
+from a2d.stores.locks import file_lock
 from a2d.stores.uri import Location
+
+log = logging.getLogger("a2d")
 
 MANIFEST = "manifest.json"
 PLAN = "_plan.json"
@@ -44,7 +54,10 @@ class ArtifactRef(BaseModel):
 
 
 class IncompleteArtifactError(RuntimeError):
-    """Raised when a consumer is handed an artifact whose manifest is missing."""
+    """Raised when a consumer is handed an artifact whose manifest is missing or damaged."""
+
+
+SCRATCH_MARK = ".tmp-"  # in the names of shard scratch folders and of atomic-write temp files
 
 
 def package_version() -> str:
@@ -107,38 +120,108 @@ class ArtifactStore:
 
     # -- state --------------------------------------------------------------------------------------
     def is_complete(self, ref: ArtifactRef) -> bool:
-        return self.loc(ref).exists(MANIFEST)
+        """Whether the artifact has a readable manifest (a damaged one makes it partial)."""
+        return self.loc(ref).read_json_checked(MANIFEST)[0] is not None
 
     def reusable(self, ref: ArtifactRef, verify: bool = True) -> bool:
         """Complete and, with `verify`, every shard still matches its checksum.
 
-        A complete artifact with a corrupted shard is demoted to partial (its manifest is removed;
-        markers of the bad shards too) so that the next run rebuilds exactly those shards.
+        A complete artifact with a corrupted shard or a damaged manifest is demoted to partial (its
+        manifest is removed; markers of the bad shards too) so that the next run rebuilds exactly
+        those shards (or, for a damaged manifest alone, only commits again). A missing or damaged
+        marker under an intact manifest is rewritten from the manifest when the shard's files
+        (re-hashed with `verify`) match it. Call under `lock(ref)`: this writes.
         """
-        if not self.is_complete(ref):
+        loc = self.loc(ref)
+        manifest, damaged = loc.read_json_checked(MANIFEST)
+        if damaged:
+            log.warning("%s; demoting it to partial", damaged)
+            loc.remove(MANIFEST)
             return False
-        if not verify:
-            return True
-        bad = [s for s, m in self.manifest(ref)["shards"].items() if self.check_shard(ref, m)]
-        if not bad:
-            return True
-        self.loc(ref).remove(MANIFEST)
-        for shard in bad:
-            self.discard_shard(ref, shard)
-        return False
+        if manifest is None:
+            return False
+        bad = [s for s, m in manifest["shards"].items() if verify and self.check_shard(ref, m)]
+        if bad:
+            loc.remove(MANIFEST)
+            for shard in bad:
+                self.discard_shard(ref, shard)
+            return False
+        for shard, recorded in manifest["shards"].items():
+            if self.marker(ref, shard) != recorded:  # lost, damaged or rewritten: the manifest wins
+                log.warning(
+                    "%s/%s/%s.json: missing or damaged; rewritten from manifest.json", loc.uri, MARKERS, shard
+                )
+                loc.write_json(f"{MARKERS}/{shard}.json", recorded)
+        if self.plan(ref) is None:  # the plan is what the manifest was committed from
+            log.warning("%s/%s: missing or damaged; rewritten from manifest.json", loc.uri, PLAN)
+            plan = {k: manifest.get(k) for k in ("stage", "key", "format_version", "spec", "upstream")}
+            loc.write_json(
+                PLAN, {**plan, "shards": list(manifest["shards"]), "created": manifest.get("created")}
+            )
+        return True
 
     def manifest(self, ref: ArtifactRef) -> dict[str, Any]:
         loc = self.loc(ref)
-        if not loc.exists(MANIFEST):
+        manifest, damaged = loc.read_json_checked(MANIFEST)
+        if damaged:
+            raise IncompleteArtifactError(
+                f"{damaged}; the {ref.stage} artifact {ref.key} counts as partial: rerun the "
+                f"{ref.stage} stage to rebuild its manifest"
+            )
+        if manifest is None:
             raise IncompleteArtifactError(
                 f"{ref.stage} artifact {ref.key} at {loc.uri} has no manifest.json: it is partial "
                 f"(a run stopped before it finished); rerun the {ref.stage} stage to complete it"
             )
-        return loc.read_json(MANIFEST)
+        return manifest
 
     def plan(self, ref: ArtifactRef) -> dict[str, Any] | None:
+        """The recorded plan; None when there is none or it is damaged (it is then written again)."""
+        return self.loc(ref).read_json_checked(PLAN)[0]
+
+    def damaged_metadata(self, ref: ArtifactRef) -> list[str]:
+        """A problem line for every metadata file (manifest, plan, markers) that exists but cannot be read."""
         loc = self.loc(ref)
-        return loc.read_json(PLAN) if loc.exists(PLAN) else None
+        names = [MANIFEST, PLAN] + [f"{MARKERS}/{m}" for m in loc.listdir(MARKERS) if m.endswith(".json")]
+        return [p for p in (loc.read_json_checked(n)[1] for n in names) if p]
+
+    def lock(self, ref: ArtifactRef, on_wait: Any = None) -> contextlib.AbstractContextManager[None]:
+        """Exclusive right to build or repair `ref`, across processes and threads (`stores.locks`).
+
+        Local stores keep the lock files in `{root}/.locks/`; for an object store they live in the
+        local cache, so only runs on the same machine are serialised there.
+        """
+        name = f"{ref.stage}-{ref.key}.lock"
+        if self.root.is_local:
+            return file_lock(self.root.local_path() / ".locks" / name, on_wait)
+        digest = sha256_stream(io.BytesIO(self.root.uri.encode()))[:16]
+        return file_lock(cache_root() / "locks" / digest / name, on_wait)
+
+    def scratch_dir(self, ref: ArtifactRef) -> Path:
+        """Where shard writers put their scratch: inside the artifact on disk (the publish is then a
+        rename), else in the local cache."""
+        loc = self.loc(ref)
+        if loc.is_local:
+            return loc.local_path()
+        return cache_root() / "scratch" / ref.stage / ref.key
+
+    def clean_scratch(self, ref: ArtifactRef) -> list[str]:
+        """Remove the scratch a killed run left (shard folders being written, temp files of atomic
+        writes); names of what was removed. Call under `lock(ref)`: no other run is writing then."""
+        removed = []
+        loc = self.loc(ref)
+        local = self.scratch_dir(ref)
+        for rel in [*loc.listdir(), *(f"{MARKERS}/{m}" for m in loc.listdir(MARKERS))]:
+            if SCRATCH_MARK in rel.rsplit("/", 1)[-1]:
+                loc.remove(rel)
+                removed.append(f"{loc.uri}/{rel}")
+        if not loc.is_local and local.is_dir():
+            for p in local.iterdir():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(str(p))
+        if removed:
+            log.info("removed scratch left by an interrupted run: %s", ", ".join(removed))
+        return removed
 
     def write_plan(self, ref: ArtifactRef, inputs: KeyInputs, shards: list[str]) -> None:
         """Record what this artifact will hold before any shard is written (shown by `a2d ls`)."""
@@ -159,9 +242,8 @@ class ArtifactStore:
 
     # -- shards ---------------------------------------------------------------------------------------
     def marker(self, ref: ArtifactRef, shard: str) -> dict[str, Any] | None:
-        loc = self.loc(ref)
-        rel = f"{MARKERS}/{shard}.json"
-        return loc.read_json(rel) if loc.exists(rel) else None
+        """The shard's marker; None when it is missing or damaged (the shard is then unfinished)."""
+        return self.loc(ref).read_json_checked(f"{MARKERS}/{shard}.json")[0]
 
     def finished_shard(self, ref: ArtifactRef, shard: str, verify: bool = True) -> dict[str, Any] | None:
         """The shard's marker when it exists and (with `verify`) every file still matches its sha256."""
@@ -193,10 +275,9 @@ class ArtifactStore:
         half-published shard is never taken as finished.
         """
         loc = self.loc(ref)
-        scratch_root = loc.local_path() if loc.is_local else None
-        if scratch_root is not None:
-            scratch_root.mkdir(parents=True, exist_ok=True)
-        tmpdir = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=scratch_root))
+        scratch_root = self.scratch_dir(ref)
+        scratch_root.mkdir(parents=True, exist_ok=True)
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{name}{SCRATCH_MARK}", dir=scratch_root))
         try:
             target = tmpdir / name
             yield target
@@ -268,23 +349,24 @@ class ArtifactStore:
 
     def local_copy(self, ref: ArtifactRef, shard: str, cache_root: Path) -> Path:
         """A local folder with one finished shard's files: the artifact itself on disk, else a download
-        into `cache_root/<stage>/<key>/<shard>` verified against the shard's marker."""
-        self.manifest(ref)  # refuses partial artifacts with a clear message
+        into `cache_root/<stage>/<key>/<shard>` verified against the shard's record in the manifest
+        (processes sharing the cache take turns: one downloads, the others then find it there)."""
+        recorded = self.manifest(ref)["shards"][shard]  # refuses partial artifacts with a clear message
         loc = self.loc(ref)
         if loc.is_local:
             return loc.local_path() / shard
-        marker = self.marker(ref, shard)
-        want = {rel.split("/", 1)[1]: h for rel, h in marker["files"].items()}
+        want = {rel.split("/", 1)[1]: h for rel, h in recorded["files"].items()}
         target = cache_root / ref.stage / ref.key / shard
-        if not target.is_dir() or hash_local_tree(target) != want:
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir(parents=True)
-            for rel in want:
-                loc.get_file(f"{shard}/{rel}", target / rel)
-            if hash_local_tree(target) != want:
-                raise RuntimeError(
-                    f"download of {ref.stage}/{ref.key}/{shard} to {target} does not match its checksums"
-                )
+        with file_lock(target.parent / f".{shard}.lock"):
+            if not target.is_dir() or hash_local_tree(target) != want:
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir(parents=True)
+                for rel in want:
+                    loc.get_file(f"{shard}/{rel}", target / rel)
+                if hash_local_tree(target) != want:
+                    raise RuntimeError(
+                        f"download of {ref.stage}/{ref.key}/{shard} to {target} does not match its checksums"
+                    )
         return target
 
     # -- inspection -----------------------------------------------------------------------------------
@@ -298,16 +380,20 @@ class ArtifactStore:
     def describe(self, ref: ArtifactRef) -> dict[str, Any]:
         """One row of `a2d ls`: completeness, shards done/total, bytes, created."""
         loc = self.loc(ref)
-        complete = loc.exists(MANIFEST)
-        info = self.manifest(ref) if complete else (self.plan(ref) or {})
+        manifest, _ = loc.read_json_checked(MANIFEST)
+        complete = manifest is not None
+        info = manifest if complete else (self.plan(ref) or {})
         shards = list(info.get("shards", []))
-        done = len([m for m in loc.listdir(MARKERS) if m.endswith(".json")])
-        size = sum(v for k, v in loc.files().items() if not k.startswith((".", MARKERS)) and ".tmp-" not in k)
+        done = len([m for m in loc.listdir(MARKERS) if m.endswith(".json") and SCRATCH_MARK not in m])
+        size = sum(
+            v for k, v in loc.files().items() if not k.startswith((".", MARKERS)) and SCRATCH_MARK not in k
+        )
         return {
             "stage": ref.stage,
             "key": ref.key,
             "uri": ref.uri,
             "complete": complete,
+            "damaged": self.damaged_metadata(ref),
             "shards_done": done,
             "shards_total": len(shards),
             "bytes": int(size),
@@ -320,18 +406,22 @@ class ArtifactStore:
     def verify(self, ref: ArtifactRef) -> list[str]:
         """Every problem with an artifact: partial, missing markers, missing or corrupted files."""
         loc = self.loc(ref)
-        info = self.manifest(ref) if loc.exists(MANIFEST) else None
+        info, damaged = loc.read_json_checked(MANIFEST)
+        problems = self.damaged_metadata(ref)
         if info is None:
             plan = self.plan(ref) or {"shards": []}
-            problems = [f"{loc.uri}: partial (no manifest.json)"]
+            if not damaged:
+                problems.insert(0, f"{loc.uri}: partial (no manifest.json)")
             shards = plan["shards"]
         else:
-            problems, shards = [], list(info["shards"])
+            shards = list(info["shards"])
         for shard in shards:
             marker = self.marker(ref, shard)
             if marker is None:
+                if info is not None and loc.read_json_checked(f"{MARKERS}/{shard}.json")[1] is None:
+                    problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: marker missing (a rerun rewrites it)")
                 if info is not None:
-                    problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: marker missing")
+                    problems.extend(self.check_shard(ref, info["shards"][shard]))
                 continue
             if info is not None and info["shards"][shard]["sha256"] != marker["sha256"]:
                 problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: disagrees with manifest.json")

@@ -70,6 +70,24 @@ def test_run_reuse_invalidate_verify_rebuild(tmp_path, capsys, caplog):
     shown = json.loads(capsys.readouterr().out)
     assert shown["lineage"]["upstream"][0].startswith("teacher/") and shown["sample"][0]["sample_id"]
 
+    # A truncated manifest and a deleted marker: verify names the manifest (exit 1), ls lists the
+    # artifact as damaged, and run rebuilds what nothing vouches for any more (the unmarked shard)
+    # and recommits; verify is clean again.
+    manifest = art / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    (art / "_markers" / "part-00000.json").unlink()
+    capsys.readouterr()
+    assert main(["verify", key, "--store", store]) == 1
+    out = capsys.readouterr().out
+    assert f"{key}/manifest.json: damaged" in out and "part-00000.json: marker missing" not in out
+    assert main(["ls", "--store", store]) == 0
+    assert "damaged" in capsys.readouterr().out
+    before = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
+    assert main(["run", TINY, "--until", "prompts", "--store", store]) == 0
+    assert main(["verify", "--store", store]) == 0
+    now = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
+    assert [name for name in sorted(now) if now[name] != before[name]] == ["part-00000.parquet"]
+
 
 def test_typo_fails_before_any_work(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
