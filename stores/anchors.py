@@ -105,6 +105,7 @@ class AnchorReader:
         manifest = store.manifest(ref)
         self.loc = store.loc(ref)
         self.meta: dict[str, Any] = manifest["metrics"]["anchor_attrs"]
+        self.shard_attrs: dict[str, dict[str, Any]] = {s: m["attrs"] for s, m in manifest["shards"].items()}
         self.layers: list[int] = list(self.meta["layers"])
         self._groups: dict[str, zarr.Group] = {}
         self._index: dict[str, _Where] = {}
@@ -131,6 +132,23 @@ class AnchorReader:
                 raise AnchorMismatchError(
                     f"anchors {name} mismatch: the anchors at {self.loc.uri} have {name}={have!r}, "
                     f"the consumer expects {name}={want!r}; rebuild the anchors with the consumer's settings"
+                )
+
+    def check_responses(
+        self, store: ArtifactStore, responses: ArtifactRef, shards: list[str] | None = None
+    ) -> None:
+        """Refuse anchors captured from other response rows than `responses` holds now, shard by shard
+        (a responses shard rebuilt with other tokens keeps its key; its checksum changes)."""
+        self.check(responses_key=responses.key)
+        now = store.manifest(responses)["shards"]
+        for shard in shards if shards is not None else list(self.shard_attrs):
+            have = self.shard_attrs.get(shard, {}).get("responses_sha256")
+            want = now.get(shard, {}).get("sha256")
+            if have != want:
+                raise AnchorMismatchError(
+                    f"anchors shard {shard} at {self.loc.uri} was captured from responses with sha256 "
+                    f"{have}, but responses shard {shard} at {store.loc(responses).uri} now has sha256 {want}: "
+                    f"they no longer describe the same rows; delete {self.loc.uri} and rerun the anchors stage"
                 )
 
     def _layer_pos(self, layers: list[int]) -> list[int]:

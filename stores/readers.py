@@ -48,6 +48,23 @@ def read_trajectories(store: ArtifactStore, ref: ArtifactRef) -> dict[str, dict[
     return out
 
 
+def check_same_responses(
+    store: ArtifactStore,
+    trajectories: ArtifactRef,
+    records: dict[str, dict[str, Any]],
+    rows: list[dict[str, Any]],
+) -> None:
+    """Refuse trajectory records whose response tokens differ from the response rows they are paired with."""
+    for row in rows:
+        rec = records.get(row["sample_id"])
+        if rec is not None and rec["response_ids"].tolist() != list(row["response_ids"]):
+            uri = store.loc(trajectories).uri
+            raise ValueError(
+                f"trajectories at {uri} hold other response tokens for sample {row['sample_id']!r} than the "
+                f"responses it is trained with: they were made from other rows; delete {uri} and rerun"
+            )
+
+
 def read_metrics(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
     """The metrics document of a complete eval artifact."""
     store.manifest(ref)

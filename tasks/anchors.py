@@ -23,7 +23,7 @@ from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import Progress
 
 STAGE = "anchors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each shard records the checksum of the responses shard it was captured from
 
 
 def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> KeyInputs:
@@ -167,6 +167,7 @@ def anchors_shard(
     attrs = {
         **teacher_attrs(store, teacher),
         "responses_key": responses.key,
+        "responses_sha256": store.manifest(responses)["shards"][shard]["sha256"],
         "layers": layers,
         "num_model_layers": len(decoder_layers(model)),
         "hidden_size": int(cap.bits.shape[2]),

@@ -32,7 +32,7 @@ from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
 from a2d.stores import checkpoints
 from a2d.stores.anchors import AnchorReader
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
-from a2d.stores.readers import read_responses, read_trajectories
+from a2d.stores.readers import check_same_responses, read_responses, read_trajectories
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.interrupt import StopFlag
 from a2d.tasks.tracking import Tracker
@@ -227,12 +227,15 @@ def setup(job: TrainJob) -> Run:
     )
     reader = AnchorReader(store, job.anchors)
     reader.check(teacher_key=job.teacher.key, capture="residual")
+    reader.check_responses(store, job.responses)
     table = read_responses(store, job.responses)
     samples = sorted((r for r in table.to_pylist() if r["split"] == "train"), key=lambda r: r["sample_id"])
     if not samples:
         raise ValueError(
             "no training samples: every prompt is in the eval split; lower prompts.eval_fraction"
         )
+    trajs = read_trajectories(store, job.trajectories)
+    check_same_responses(store, job.trajectories, trajs, samples)
     sampler = ViewSampler(
         spec.seed, spec.steps, spec.r_min_start, spec.r_min_end, spec.r_max, spec.window_sizes
     )
@@ -250,7 +253,7 @@ def setup(job: TrainJob) -> Run:
         student=student,
         reader=reader,
         samples=samples,
-        trajs=read_trajectories(store, job.trajectories),
+        trajs=trajs,
         sampler=sampler,
         params=params,
         optimizer=optimizer,
