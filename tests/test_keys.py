@@ -13,7 +13,7 @@ def test_golden_keys():
     )
     # A stage's real key, from its default spec: changing FORMAT_VERSION or a default changes it.
     assert teacher.key_inputs(TeacherSpec()).key == "cf6bebf674074c45"
-    assert prompts.key_inputs(PromptSpec(), "cf6bebf674074c45").key == "8d35f8282a6b5466"
+    assert prompts.key_inputs(PromptSpec(), "cf6bebf674074c45").key == "70e630d4b7836f67"
 
 
 def test_canonical_json_is_order_and_number_stable():
