@@ -22,6 +22,7 @@ def anchors_flow(
 ) -> ArtifactRef:
     """One teacher forward per sample; hooks stream each layer's tokens to the shard writer."""
     st = ArtifactStore(store)
+    stage.check_layers(spec, stage.teacher_layer_count(st, teacher))
     return run_sharded(
         st,
         stage.key_inputs(spec, teacher_spec.load, responses.key, teacher.key),

@@ -86,6 +86,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
+    store.check_root()
     rows = [store.describe(r) for r in store.iter_refs(args.stage)]
     rows.sort(key=lambda r: (STAGES.index(r["stage"]) if r["stage"] in STAGES else 99, r["created"] or ""))
     if args.json:
@@ -106,6 +107,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
+    store.check_root()
     ref = store.find(args.key)
     info = store.describe(ref)
     out: dict[str, Any] = {"artifact": info, "lineage": store.lineage(ref)}
@@ -150,6 +152,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
+    store.check_root()
     refs = [store.find(args.key)] if args.key else list(store.iter_refs())
     results = []
     for ref in tqdm(refs, desc="verify", disable=args.json or not sys.stderr.isatty()):

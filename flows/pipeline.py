@@ -85,6 +85,19 @@ STEPS: dict[str, Step] = {
 }
 
 
+def preflight(config: PipelineConfig, stages: tuple[str, ...], refs: Refs) -> None:
+    """Checks that need the teacher's shape, run as soon as it is known (before any later stage works):
+    from the spec for a random teacher, else from the materialised teacher's record."""
+    if "anchors" not in stages:
+        return
+    if "teacher" in refs:
+        anchors.check_layers(
+            config.anchors, anchors.teacher_layer_count(ArtifactStore(config.store), refs["teacher"])
+        )
+    elif config.teacher.source == "random":
+        anchors.check_layers(config.anchors, config.teacher.layers)
+
+
 def stages_until(until: str) -> tuple[str, ...]:
     if until not in STAGES:
         raise ValueError(f"unknown stage {until!r}: choose one of {', '.join(STAGES)}")
@@ -104,6 +117,10 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
     """teacher → prompts → responses → anchors → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
     refs: Refs = {}
-    for stage in stages_until(until):
+    stages = stages_until(until)
+    preflight(config, stages, refs)
+    for stage in stages:
         refs[stage] = STEPS[stage].run(config, refs)
+        if stage == "teacher":
+            preflight(config, stages, refs)
     return refs

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from a2d.flows.pipeline import STEPS, Refs
+from a2d.flows.pipeline import STEPS, Refs, preflight
 from a2d.specs import PipelineConfig
 from a2d.stores.artifacts import ArtifactStore, Timer
 from a2d.tasks.runtime import in_prefect_run, logger
@@ -68,12 +68,15 @@ def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
     store = ArtifactStore(config.store)
     refs: Refs = {}
     outcomes: list[Outcome] = []
+    preflight(config, ("teacher", *DATA_STAGES), refs)
     for stage in ("teacher", *DATA_STAGES):
         step = STEPS[stage]
         # Decided before the stage runs: a complete manifest means the stage only re-verifies it.
         reused = store.is_complete(store.ref_for(step.inputs(config, refs)))
         timer = Timer()
         refs[stage] = step.run(config, refs)
+        if stage == "teacher":
+            preflight(config, ("teacher", *DATA_STAGES), refs)
         outcomes.append(Outcome(stage, refs[stage].key, reused, timer.seconds))
         log.info("regenerate-data: %s %s %s", stage, refs[stage].key, "reused" if reused else "rebuilt")
     report = summary(config, outcomes)

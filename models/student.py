@@ -187,6 +187,7 @@ def build_student(
     block_size: int,
     gradient_checkpointing: bool = False,
     adapter_dir=None,
+    trust_remote_code: bool = False,
 ) -> Student:
     """Load the teacher from `teacher_dir` (NF4 or `dtype`) and make it a student (see `make_student`).
 
@@ -199,7 +200,7 @@ def build_student(
     if fallback is not None:
         log.warning("NF4 is not available (%s); loading the base in %s instead", fallback, dtype)
         quantization = "none"
-    model, tok = load_teacher(teacher_dir, dtype, quantization, device)
+    model, tok = load_teacher(teacher_dir, dtype, quantization, device, trust_remote_code)
     student = make_student(
         model,
         tok,

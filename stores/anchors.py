@@ -103,6 +103,10 @@ class AnchorReader:
 
     def __init__(self, store: ArtifactStore, ref: ArtifactRef):
         manifest = store.manifest(ref)
+        missing = store.missing_files(ref)  # zarr would read a deleted chunk as zeros
+        if missing:
+            store.refuse_damaged(ref, missing)
+        self.store, self.ref = store, ref
         self.loc = store.loc(ref)
         self.meta: dict[str, Any] = manifest["metrics"]["anchor_attrs"]
         self.shard_attrs: dict[str, dict[str, Any]] = {s: m["attrs"] for s, m in manifest["shards"].items()}
@@ -110,10 +114,11 @@ class AnchorReader:
         self._groups: dict[str, zarr.Group] = {}
         self._index: dict[str, _Where] = {}
         for shard in manifest["shards"]:
-            g = self._group(shard)
-            offsets = g["offsets"][...]
-            for i, sid in enumerate(g["sample_ids"][...].tolist()):
-                self._index[str(sid)] = _Where(shard, int(offsets[i]), int(offsets[i + 1]))
+            with store.reading(ref, [shard]):
+                g = self._group(shard)
+                offsets = g["offsets"][...]
+                for i, sid in enumerate(g["sample_ids"][...].tolist()):
+                    self._index[str(sid)] = _Where(shard, int(offsets[i]), int(offsets[i + 1]))
 
     def _group(self, shard: str) -> zarr.Group:
         if shard not in self._groups:
@@ -160,7 +165,12 @@ class AnchorReader:
             )
         return [self.layers.index(i) for i in layers]
 
-    def _decode(self, g: zarr.Group, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+    def _decode(self, shard: str, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+        """float32 (rows, layers, hidden) of one shard; a damaged chunk is named, not a codec error."""
+        with self.store.reading(self.ref, [shard]):
+            return self._decode_group(self._group(shard), rows, layer_pos)
+
+    def _decode_group(self, g: zarr.Group, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
         if self.meta["dtype"] == "int8":
             block = Int8Block(
                 q=g["hidden"].get_orthogonal_selection((rows, layer_pos, slice(None))),
@@ -181,13 +191,14 @@ class AnchorReader:
         if sample_id not in self._index:
             raise KeyError(f"sample {sample_id!r} has no anchors in {self.loc.uri}")
         w = self._index[sample_id]
-        return self._decode(self._group(w.shard), slice(w.start, w.end), self._layer_pos(layers))
+        return self._decode(w.shard, slice(w.start, w.end), self._layer_pos(layers))
 
     def scalars(self, sample_id: str) -> dict[str, np.ndarray]:
         """positions, confidence and entropy of one sample's stored tokens."""
         w = self._index[sample_id]
-        g = self._group(w.shard)
-        return {k: g[k][w.start : w.end] for k in ("positions", "confidence", "entropy")}
+        with self.store.reading(self.ref, [w.shard]):
+            g = self._group(w.shard)
+            return {k: g[k][w.start : w.end] for k in ("positions", "confidence", "entropy")}
 
     def batch(
         self, sample_ids: list[str], layers: list[int], token_fraction: float, rng: np.random.Generator
@@ -205,7 +216,7 @@ class AnchorReader:
                 {
                     "sample_id": sid,
                     "positions": g["positions"][w.start : w.end][rows],
-                    "hidden": self._decode(g, w.start + rows, pos),  # (k, len(layers), H)
+                    "hidden": self._decode(w.shard, w.start + rows, pos),  # (k, len(layers), H)
                 }
             )
         return out

@@ -19,6 +19,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -55,6 +56,13 @@ class ArtifactRef(BaseModel):
 
 class IncompleteArtifactError(RuntimeError):
     """Raised when a consumer is handed an artifact whose manifest is missing or damaged."""
+
+
+class DamagedArtifactError(IncompleteArtifactError):
+    """A complete artifact whose files do not match their checksums; the message names them."""
+
+
+KEY_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 
 
 SCRATCH_MARK = ".tmp-"  # in the names of shard scratch folders and of atomic-write temp files
@@ -184,6 +192,47 @@ class ArtifactStore:
         loc = self.loc(ref)
         names = [MANIFEST, PLAN] + [f"{MARKERS}/{m}" for m in loc.listdir(MARKERS) if m.endswith(".json")]
         return [p for p in (loc.read_json_checked(n)[1] for n in names) if p]
+
+    def missing_files(self, ref: ArtifactRef, shards: list[str] | None = None) -> list[str]:
+        """Files the manifest lists (for `shards`, default all) that are not there: a listing, no
+        hashing. Zarr reads a deleted chunk as fill values, so its readers check this first."""
+        loc, recorded = self.loc(ref), self.manifest(ref)["shards"]
+        present = set(loc.files())
+        wanted = [rel for s in (shards or list(recorded)) for rel in recorded[s]["files"]]
+        return [f"{loc.uri}/{rel}: missing" for rel in wanted if rel not in present]
+
+    def refuse_damaged(
+        self, ref: ArtifactRef, problems: list[str], cause: BaseException | None = None
+    ) -> None:
+        """Demote the artifact (so the next run rebuilds the shards named in `problems`) and raise
+        a DamagedArtifactError naming them."""
+        manifest = self.manifest(ref)
+        with self.lock(ref):
+            self.loc(ref).remove(MANIFEST)
+            for shard, record in manifest["shards"].items():
+                if any(f"/{rel}:" in p for rel in record["files"] for p in problems):
+                    self.discard_shard(ref, shard)
+        what = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        raise DamagedArtifactError(
+            f"reading {ref.stage}/{ref.key} failed{what}: {'; '.join(problems)}. The artifact is now "
+            f"partial: rerun the {ref.stage} stage to rebuild the damaged shards"
+        ) from cause
+
+    @contextlib.contextmanager
+    def reading(self, ref: ArtifactRef, shards: list[str] | None = None) -> Iterator[None]:
+        """Read from `ref` inside the block; when the read fails and the files of `shards` (default
+        all) no longer match their checksums (say with run.verify_reuse=false), the error names the
+        damaged files instead of a decoder's message, and the artifact is demoted for a rebuild."""
+        try:
+            yield
+        except IncompleteArtifactError:
+            raise
+        except Exception as e:
+            recorded = self.manifest(ref)["shards"]
+            problems = [p for s in (shards or list(recorded)) for p in self.check_shard(ref, recorded[s])]
+            if not problems:
+                raise
+            self.refuse_damaged(ref, problems, e)
 
     def lock(self, ref: ArtifactRef, on_wait: Any = None) -> contextlib.AbstractContextManager[None]:
         """Exclusive right to build or repair `ref`, across processes and threads (`stores.locks`).
@@ -371,11 +420,31 @@ class ArtifactStore:
 
     # -- inspection -----------------------------------------------------------------------------------
     def iter_refs(self, stage: str | None = None) -> Iterator[ArtifactRef]:
-        stages = [stage] if stage else [s for s in self.root.listdir() if not s.startswith((".", "_"))]
+        """Every artifact folder `{stage}/{key}` (a known stage, a 16-hex-digit key) under the root."""
+        from a2d.specs import STAGES
+
+        stages = [stage] if stage else [s for s in self.root.listdir() if s in STAGES]
         for s in stages:
             for key in self.root.listdir(s):
-                if not key.startswith("."):
+                if KEY_PATTERN.match(key):
                     yield self.ref(s, key)
+
+    def check_root(self) -> None:
+        """Refuse a store root that is really a stage folder or an artifact folder inside a store."""
+        from a2d.specs import STAGES
+
+        names = set(self.root.listdir())
+        parent = self.root.uri.rsplit("/", 1)[0]
+        if names & {MANIFEST, PLAN, MARKERS}:
+            raise ValueError(
+                f"{self.root.uri} is an artifact folder, not a store root: pass the store with "
+                f"--store {parent.rsplit('/', 1)[0]} and the artifact as stage/key"
+            )
+        name = self.root.uri.rsplit("/", 1)[1]
+        if name in STAGES and names and all(KEY_PATTERN.match(n) for n in names if not n.startswith(".")):
+            raise ValueError(
+                f"{self.root.uri} is the {name} stage folder of a store, not a store root: use --store {parent}"
+            )
 
     def describe(self, ref: ArtifactRef) -> dict[str, Any]:
         """One row of `a2d ls`: completeness, shards done/total, bytes, created."""
@@ -430,9 +499,17 @@ class ArtifactStore:
 
     def find(self, key_prefix: str) -> ArtifactRef:
         """The one artifact whose key starts with `key_prefix` (or `stage/key`)."""
-        stage = None
+        from a2d.specs import STAGES
+
+        given, stage = key_prefix, None
         if "/" in key_prefix:
             stage, key_prefix = key_prefix.split("/", 1)
+        if (stage is not None and stage not in STAGES) or not re.fullmatch(r"[0-9a-f]*", key_prefix):
+            raise KeyError(
+                f"{given!r} is not an artifact key: give a key or a unique prefix of one (hex digits), or "
+                f"stage/key such as prompts/8d35f8; `a2d ls` lists them (a folder is not a key: pass "
+                "a store's root with --store)"
+            )
         hits = [r for r in self.iter_refs(stage) if r.key.startswith(key_prefix)]
         if not hits:
             raise KeyError(f"no artifact with key {key_prefix!r} in {self.root.uri}; `a2d ls` lists them")

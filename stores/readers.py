@@ -22,7 +22,8 @@ EVAL_SHARD = "report"  # the eval artifact's one shard: metrics.json, report.md,
 def _table(store: ArtifactStore, ref: ArtifactRef, shards: list[str] | None = None) -> pa.Table:
     names = shards if shards is not None else list(store.manifest(ref)["shards"])
     loc = store.loc(ref)
-    return pa.concat_tables([read_shard(loc, f"{s}.parquet") for s in names])
+    with store.reading(ref, names):
+        return pa.concat_tables([read_shard(loc, f"{s}.parquet") for s in names])
 
 
 def read_prompts(store: ArtifactStore, ref: ArtifactRef, split: str | None = None) -> pa.Table:

@@ -35,6 +35,23 @@ def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key
     return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "teacher": teacher_key})
 
 
+def teacher_layer_count(store: ArtifactStore, teacher: ArtifactRef) -> int:
+    """Decoder layers of a materialised teacher, as recorded in its marker (no model load)."""
+    return int(store.manifest(teacher)["shards"][teacher_stage.SHARD]["architecture"]["layers"])
+
+
+def check_layers(spec: AnchorSpec, num_layers: int) -> list[int]:
+    """The layers `spec` selects of a `num_layers`-layer teacher; a clear error when they do not fit,
+    raised before any stage runs the teacher."""
+    try:
+        return resolve_layers(spec.layers, num_layers)
+    except ValueError:
+        raise ValueError(
+            f"anchors.layers={list(spec.layers)} does not fit the teacher's {num_layers} decoder layers: "
+            f"use indices 0..{num_layers - 1}, -1..-{num_layers} from the end, or 'all'"
+        ) from None
+
+
 @dataclass
 class Captured:
     """One shard's anchors in memory, before encoding."""

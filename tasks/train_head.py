@@ -224,6 +224,7 @@ def setup(job: TrainJob) -> Run:
         spec.linear_attention,
         spec.block_size,
         opts.gradient_checkpointing,
+        trust_remote_code=job.teacher_spec.trust_remote_code,
     )
     reader = AnchorReader(store, job.anchors)
     reader.check(teacher_key=job.teacher.key, capture="residual")

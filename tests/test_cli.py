@@ -99,7 +99,28 @@ def test_typo_fails_before_any_work(tmp_path, capsys):
     assert not store.exists()
 
 
-@pytest.mark.parametrize("args", [["show", "zzzz"], ["verify", "zzzz"]])
+@pytest.mark.parametrize("args", [["show", "abcd"], ["verify", "abcd"]])
 def test_unknown_key_is_a_clear_error(tmp_path, capsys, args):
     assert main([*args, "--store", str(tmp_path)]) == 2
-    assert "no artifact with key 'zzzz'" in capsys.readouterr().err
+    assert "no artifact with key 'abcd'" in capsys.readouterr().err
+
+
+def test_layers_the_teacher_does_not_have_fail_before_any_work(tmp_path, capsys):
+    store = tmp_path / "s"
+    assert main(["run", TINY, "--store", str(store), "--set", "anchors.layers=[0, 999]"]) == 2
+    assert "anchors.layers=[0, 999] does not fit the teacher's 64 decoder layers" in capsys.readouterr().err
+    assert not store.exists()  # not even the teacher was built
+
+
+def test_a_folder_is_not_taken_for_an_artifact_or_a_store(tmp_path, capsys):
+    artifact = tmp_path / "s" / "prompts" / "0123456789abcdef"
+    (artifact / "_markers").mkdir(parents=True)
+    (artifact / "_plan.json").write_text("{}")
+    root = str(tmp_path / "s")
+    for args in (["show", "./prompts"], ["verify", "prompts"], ["show", "../s/prompts/0123"]):
+        assert main([*args, "--store", root]) == 2
+        assert "is not an artifact key" in capsys.readouterr().err
+    assert main(["ls", "--store", str(tmp_path / "s" / "prompts")]) == 2
+    assert "is the prompts stage folder of a store, not a store root: use --store" in capsys.readouterr().err
+    assert main(["verify", "--store", str(artifact)]) == 2
+    assert "is an artifact folder, not a store root" in capsys.readouterr().err

@@ -506,3 +506,28 @@ def test_diffusion_decode_trajectories_from_a_trained_head(data):
         blocks = [steps[i : i + spec.block_size] for i in range(0, len(steps), spec.block_size)]
         assert all(a.max() < b.min() for a, b in zip(blocks, blocks[1:], strict=False))
     assert ArtifactStore(store).manifest(ref)["spec"]["head_key"] == refs["head"].key
+
+
+def test_the_student_is_built_with_the_teachers_trust_remote_code(data, tmp_path, monkeypatch):
+    """teacher.trust_remote_code reaches the student's from_pretrained (it was dropped there)."""
+    import a2d.models.teacher as teacher_module
+    from a2d.tasks.train_head import setup
+
+    store, cfg, refs = data
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_teacher(path, dtype="float32", quantization="none", device="auto", trust_remote_code=False):
+        seen.append(trust_remote_code)
+        raise Loaded
+
+    monkeypatch.setattr(teacher_module, "load_teacher", load_teacher)
+    for trust in (False, True):
+        job = _job(store, cfg, refs, workdir_=tmp_path).model_copy(
+            update={"teacher_spec": cfg.teacher.model_copy(update={"trust_remote_code": trust})}
+        )
+        with pytest.raises(Loaded):
+            setup(job)
+    assert seen == [False, True]

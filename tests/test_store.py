@@ -263,7 +263,9 @@ def test_lineage_and_find(store):
     assert store.lineage(down)["upstream"] == [f"teacher/{up.key}"]
     assert store.find(down.key[:6]) == down
     with pytest.raises(KeyError, match="no artifact"):
-        store.find("zzzz")
+        store.find("ffff")
+    with pytest.raises(KeyError, match="is not an artifact key"):
+        store.find("./prompts")
 
 
 def test_manifest_is_written_atomically(tmp_path, monkeypatch):
@@ -357,3 +359,10 @@ def test_a_checkpoint_save_cut_short_leaves_no_scratch_behind(tmp_path):
     assert checkpoints.latest(root).name == "step-00000001"
     checkpoints.publish(root, 3, 2, model, {}, opt, None, 3, {})
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000003"]
+
+
+def test_location_repr_hides_storage_credentials():
+    loc = Location.of("memory://x", {"key": "AKIA-SECRET", "secret": "hunter2", "endpoint_url": "http://h"})
+    text = repr(loc) + str(loc) + repr(ArtifactStore(loc).root)
+    assert "AKIA-SECRET" not in text and "hunter2" not in text and "memory:///x" in text
+    assert "endpoint_url, key, secret" in text  # the option names are still shown
