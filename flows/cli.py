@@ -170,14 +170,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from a2d.deployments.serve import serve
+    from a2d.deployments.serve import load_policy, serve
+    from a2d.flows.policy import with_flags
 
     overrides = list(args.set or [])
     if args.store:
         overrides.append(f"store={args.store}")
     elif os.environ.get("A2D_STORE"):
         overrides.append(f"store={os.environ['A2D_STORE']}")
-    serve(args.config, cron=args.cron, overrides=overrides, gpu_slots=args.gpu_slots)
+    flags = with_flags(
+        load_policy(args.policy),
+        store_roots=args.allow_store,
+        data_paths=args.allow_data,
+        dask_addresses=args.allow_dask,
+        allow_remote_code=args.allow_remote_code,
+        max_random_teacher_params=args.max_random_teacher_params,
+    )
+    serve(args.config, cron=args.cron, overrides=overrides, gpu_slots=args.gpu_slots, policy=flags)
     return 0
 
 
@@ -225,6 +234,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cron", default=None, help='cron schedule for regenerate-data, e.g. "0 3 * * *"')
     serve.add_argument(
         "--gpu-slots", type=int, default=1, help="slots of the `gpu` concurrency limit when creating it"
+    )
+    policy = serve.add_argument_group(
+        "policy",
+        "what runs from these deployments may do (the UI cannot change it; the served config's "
+        "own store, files, teacher path and Dask address are always allowed)",
+    )
+    policy.add_argument(
+        "--policy", metavar="FILE", help="YAML with store_roots, data_paths, dask_addresses, ..."
+    )
+    policy.add_argument(
+        "--allow-store", action="append", metavar="URI", help="another store root runs may use"
+    )
+    policy.add_argument(
+        "--allow-data", action="append", metavar="PATH", help="a local file or folder runs may read"
+    )
+    policy.add_argument(
+        "--allow-dask", action="append", metavar="ADDRESS", help="a Dask scheduler runs may use"
+    )
+    policy.add_argument(
+        "--allow-remote-code",
+        action="store_true",
+        help="let runs set teacher.trust_remote_code (runs its code)",
+    )
+    policy.add_argument(
+        "--max-random-teacher-params", type=int, metavar="N", help="largest random teacher (default 1e9)"
     )
     serve.set_defaults(fn=cmd_serve)
     return p

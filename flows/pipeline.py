@@ -11,6 +11,7 @@ from prefect import flow
 from a2d.flows.anchors import anchors_flow
 from a2d.flows.evaluate import eval_flow
 from a2d.flows.head import head_flow
+from a2d.flows.policy import enforce_config
 from a2d.flows.prompts import prompts_flow
 from a2d.flows.responses import responses_flow
 from a2d.flows.teacher import teacher_flow
@@ -116,6 +117,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
     """teacher → prompts → responses → anchors → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
+    enforce_config(config)  # a served run: before any work
     refs: Refs = {}
     stages = stages_until(until)
     preflight(config, stages, refs)
