@@ -323,9 +323,10 @@ def test_mixed_precision_resolution_and_autocast():
         assert layer(torch.ones(1, 4)).dtype == torch.float32
 
 
-def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
-    """train.mixed_precision=bf16 runs the forwards under autocast (also on CPU when forced), and a
-    W&B project with WANDB_MODE=offline writes a local run holding the step metrics."""
+def test_bf16_autocast_and_offline_wandb_run_resumed_under_one_id(data, tmp_path, monkeypatch):
+    """train.mixed_precision=bf16 runs the forwards under autocast (also on CPU when forced); a W&B
+    project with WANDB_MODE=offline writes a local run holding the step metrics as soon as training
+    returns, and a resumed training continues the same run id with the steps after the checkpoint."""
     store, cfg, refs = data
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -335,14 +336,21 @@ def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
             "train": cfg.train.model_copy(update={"mixed_precision": "bf16", "wandb_project": "a2d-test"})
         }
     )
-    out = train(job)
-    assert out["precision"] == "bf16" and all(math.isfinite(h["loss"]) for h in out["history"])
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    first = train(job.model_copy(update={"stop_after": 1}))
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and runs[0].name.endswith(f"head-{job.head.key}")
-    # the run's record log (protobuf) carries the logged keys and values as JSON text
+    # the run's record log (protobuf) carries the logged keys and values as JSON text, flushed by now
     record = next(runs[0].glob("run-*.wandb")).read_bytes()
-    assert b"lambda" in record
-    assert json.dumps(out["history"][-1]["loss"]).encode() in record
+    assert b"lambda" in record and json.dumps(first["history"][-1]["loss"]).encode() in record
+
+    out = train(job)  # resumes from the step-1 checkpoint
+    assert out["precision"] == "bf16" and all(math.isfinite(h["loss"]) for h in out["history"])
+    assert [h["step"] for h in out["history"]] == [2]
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"head-{job.head.key}") for r in runs)  # one run id
+    resumed = next(runs[1].glob("run-*.wandb")).read_bytes()
+    assert json.dumps(out["history"][-1]["loss"]).encode() in resumed
+    assert json.dumps(first["history"][-1]["loss"]).encode() not in resumed  # only the new steps
 
 
 FLOW_RUN = """
