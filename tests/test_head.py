@@ -252,22 +252,44 @@ def test_foreign_anchors_are_refused(data, tmp_path):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from a2d.stores import checkpoints
-    original = checkpoints.prune
-    def prune(root, keep):
-        original(root, keep)
-        if checkpoints.latest(root).name == "step-00000003":
+    import a2d.tasks.train_head as th
+    original = th.train_step
+    def train_step(run, step):
+        if step == 3:  # steps 1-3 done, the checkpoint is of step 2: die inside step 4
             os.kill(os.getpid(), signal.SIGKILL)
-    checkpoints.prune = prune
-    from a2d.tasks.train_head import main
-    sys.exit(main(sys.argv[1:]))
+        return original(run, step)
+    th.train_step = train_step
+    sys.exit(th.main(sys.argv[1:]))
     """
 )
 
+HYBRID = [
+    "teacher.layers=4",  # qwen3_5: 3 Gated DeltaNet + 1 full attention layer
+    "prompts.bundled_rows=16",
+    "prompts.rows_per_shard=8",
+    "prompts.max_prompt_tokens=64",
+    "responses.max_new_tokens=8",
+    "anchors.layers=[1, 3]",
+    "head.steps=5",
+    "head.micro_batch_size=2",
+    "head.complementary=false",
+    "head.lr=0.003",
+    "head.warmup_steps=2",  # the cosine schedule's state matters
+    "head.lr_schedule=cosine",
+    "head.lora_dropout=0.1",  # dropout draws from the RNG: its restored state matters
+    "head.align_layers=2",
+    "train.checkpoint_every=2",
+]
+
 
 @pytest.mark.slow
-def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
-    store, cfg, refs = data
+def test_sigkill_mid_step_then_resume_is_exact(tmp_path_factory, tmp_path):
+    """A trainer killed inside step 4 (its last checkpoint is step 2) and resumed ends with the same
+    adapter, mask embedding and reverse-scan gates as an uninterrupted run: cosine schedule with
+    warmup, LoRA dropout, and a hybrid teacher whose reverse scans are trained."""
+    store = str(tmp_path_factory.mktemp("hybrid"))
+    cfg = tiny_config(store, *HYBRID)
+    refs = pipeline(cfg, until="trajectories")
     env = {**os.environ, "PYTHONPATH": ROOT}
     killed = _job(store, cfg, refs, workdir_=tmp_path / "killed")
     (tmp_path / "killed").mkdir()
@@ -276,7 +298,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
         [sys.executable, "-c", KILLER, str(tmp_path / "killed" / "job.json")], env=env, cwd=ROOT, timeout=600
     )
     assert proc.returncode == -signal.SIGKILL
-    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000003"]
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000002"]
     resumed = subprocess.run(
         [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "killed" / "job.json")],
         env=env,
@@ -285,37 +307,33 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
         capture_output=True,
         text=True,
     )
-    assert resumed.returncode == 0 and '"step": 3' in resumed.stdout and "A2D resume" in resumed.stdout
-    clean = _job(store, cfg, refs, workdir_=tmp_path / "clean")
-    (tmp_path / "clean").mkdir()
-    (tmp_path / "clean" / "job.json").write_text(clean.model_dump_json())
-    subprocess.run(
-        [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "clean" / "job.json")],
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-        check=True,
-        capture_output=True,
-    )
-    a = load_file(
-        tmp_path / "killed" / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"
-    )
-    b = load_file(
-        tmp_path / "clean" / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"
-    )
+    assert resumed.returncode == 0 and '"step": 2' in resumed.stdout and "A2D resume" in resumed.stdout
+    train(_job(store, cfg, refs, workdir_=tmp_path / "clean"))  # uninterrupted, in this process
+    final = "checkpoints/step-00000005"
+    a = load_file(tmp_path / "killed" / final / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "clean" / final / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
-    ea = load_file(tmp_path / "killed" / "checkpoints" / "step-00000006" / "extras.safetensors")
-    eb = load_file(tmp_path / "clean" / "checkpoints" / "step-00000006" / "extras.safetensors")
-    torch.testing.assert_close(ea["mask_embedding"], eb["mask_embedding"], atol=1e-6, rtol=0)
+    ea = load_file(tmp_path / "killed" / final / "extras.safetensors")
+    eb = load_file(tmp_path / "clean" / final / "extras.safetensors")
+    gates = [k for k in ea if k.startswith("scan_gate")]
+    assert ea.keys() == eb.keys() and len(gates) == 3 and any(ea[k].abs().max() > 0 for k in gates)
+    for k in ea:  # mask embedding and the three reverse-scan gates
+        torch.testing.assert_close(ea[k], eb[k], atol=1e-6, rtol=0)
 
 
-def test_mixed_precision_resolution_and_autocast():
+def test_mixed_precision_resolution_and_autocast(monkeypatch):
+    """`auto` is bf16 exactly on a GPU that supports it; forced modes are taken as given."""
     from a2d.models.teacher import autocast, resolve_precision
 
-    cpu = torch.device("cpu")
-    assert resolve_precision("auto", cpu) == "no" and resolve_precision("bf16", cpu) == "bf16"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cpu) == "no"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", cuda) == "bf16" and resolve_precision("auto", cpu) == "no"
+    assert resolve_precision("no", cuda) == "no"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", cuda) == "no" and resolve_precision("bf16", cpu) == "bf16"
     layer = torch.nn.Linear(4, 4)
     with autocast(cpu, "bf16"):
         assert layer(torch.ones(1, 4)).dtype == torch.bfloat16
@@ -484,8 +502,20 @@ def test_head_stage_publishes_a_loadable_adapter_and_decodes(data, tmp_path, mon
     )
     student, dspec = load_student(st, refs["head"])
     assert isinstance(student.model, PeftModel)
-    mask = load_file(adapter / "extras.safetensors")["mask_embedding"]
-    torch.testing.assert_close(student.mask.weight.detach(), mask)
+    # The published mask embedding is the trained one of the final checkpoint (castlehill's bug 3:
+    # it was never trained), and the loaded student carries it.
+    final = load_file(
+        st.loc(refs["head"]).local_path() / "checkpoints" / "step-00000006" / "extras.safetensors"
+    )
+    published = load_file(adapter / "extras.safetensors")["mask_embedding"]
+    torch.testing.assert_close(published, final["mask_embedding"], atol=0, rtol=0)
+    torch.testing.assert_close(student.mask.weight.detach(), published, atol=0, rtol=0)
+    from a2d.tasks.teacher import local_dir
+
+    untrained = build_student(
+        local_dir(st, refs["teacher"]), "none", "float32", "cpu", LORA, "bidirectional", "bidirectional", 32
+    )
+    assert (published - untrained.mask.weight.detach()).abs().max() > 1e-4
     out = threshold_decode(
         student, [258, 104, 105, 257, 10], 12, 4, 0.9, [257], dspec["attention"], dspec["logit_alignment"]
     )
