@@ -39,6 +39,7 @@ log = logging.getLogger("a2d")
 
 MANIFEST = "manifest.json"
 PLAN = "_plan.json"
+DAMAGED = "_damaged.json"  # shards a reader found damaged: the next run rebuilds them
 MARKERS = "_markers"
 
 
@@ -148,10 +149,17 @@ class ArtifactStore:
             return False
         if manifest is None:
             return False
-        bad = [s for s, m in manifest["shards"].items() if verify and self.check_shard(ref, m)]
+        bad = {s for s, m in manifest["shards"].items() if verify and self.check_shard(ref, m)}
+        if loc.exists(DAMAGED):  # a reader found these shards damaged (an unreadable note: all)
+            noted = loc.read_json_checked(DAMAGED)[0]
+            log.warning("%s: a reader found damage (%s); rebuilding", loc.uri, (noted or {}).get("problems"))
+            bad |= (
+                set(noted.get("shards", [])) & set(manifest["shards"]) if noted else set(manifest["shards"])
+            )
+            loc.remove(DAMAGED)
         if bad:
             loc.remove(MANIFEST)
-            for shard in bad:
+            for shard in sorted(bad):
                 self.discard_shard(ref, shard)
             return False
         for shard, recorded in manifest["shards"].items():
@@ -204,18 +212,26 @@ class ArtifactStore:
     def refuse_damaged(
         self, ref: ArtifactRef, problems: list[str], cause: BaseException | None = None
     ) -> None:
-        """Demote the artifact (so the next run rebuilds the shards named in `problems`) and raise
-        a DamagedArtifactError naming them."""
+        """Note the shards named in `problems` as damaged (`_damaged.json`: the next run of the
+        artifact's stage demotes it and rebuilds them, even with run.verify_reuse=false) and raise a
+        DamagedArtifactError naming them. The artifact itself is left as it is until then, so other
+        readers in this run get the same error rather than a missing manifest."""
         manifest = self.manifest(ref)
+        bad = sorted(
+            shard
+            for shard, record in manifest["shards"].items()
+            if any(f"/{rel}:" in p for rel in record["files"] for p in problems)
+        )
         with self.lock(ref):
-            self.loc(ref).remove(MANIFEST)
-            for shard, record in manifest["shards"].items():
-                if any(f"/{rel}:" in p for rel in record["files"] for p in problems):
-                    self.discard_shard(ref, shard)
+            noted = self.loc(ref).read_json_checked(DAMAGED)[0] or {}
+            shards = sorted({*noted.get("shards", []), *bad})
+            self.loc(ref).write_json(
+                DAMAGED, {"shards": shards, "problems": sorted({*noted.get("problems", []), *problems})}
+            )
         what = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
         raise DamagedArtifactError(
-            f"reading {ref.stage}/{ref.key} failed{what}: {'; '.join(problems)}. The artifact is now "
-            f"partial: rerun the {ref.stage} stage to rebuild the damaged shards"
+            f"reading {ref.stage}/{ref.key} failed{what}: {'; '.join(problems)}. Rerun the {ref.stage} "
+            f"stage: it rebuilds the damaged shards ({', '.join(bad)})"
         ) from cause
 
     @contextlib.contextmanager

@@ -450,7 +450,7 @@ def test_sigterm_to_a_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(
     store, cfg, refs = data
     cfg = cfg.model_copy(
         update={
-            "head": cfg.head.model_copy(update={"steps": 40, "seed": processes}),  # a key per case
+            "head": cfg.head.model_copy(update={"steps": 16, "seed": processes}),  # a key per case
             "train": cfg.train.model_copy(
                 update={"log_every": 1, "checkpoint_every": 100, "num_processes": processes}
             ),
@@ -460,7 +460,7 @@ def test_sigterm_to_a_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(
     err = sigterm_flow_run(cfg, "head", tmp_path, "train progress", trainer=f"{head.key}/job.json")
     assert "rerun the head stage to resume" in err, err[-3000:]
     step = int(re.search(r"stopped by SIGTERM at step (\d+)", err).group(1))
-    assert 1 <= step < 40
+    assert 1 <= step < 16  # ~0.1-0.3 s a step: the signal lands many steps before the end
     work = ArtifactStore(store).loc(head).local_path()
     last = checkpoints.latest(work / "checkpoints")
     assert last is not None and last.name == f"step-{step:08d}"  # the step it was on, off the every-100 grid
@@ -469,7 +469,7 @@ def test_sigterm_to_a_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(
     if processes == 1:  # a 2-process resume is checked for exactness in test_scale
         resumed = STEPS["head"].run(cfg, refs)
         history = ArtifactStore(store).manifest(resumed)["shards"]["adapter"]["history"]
-        assert resumed == head and history[0]["step"] == step + 1 and history[-1]["step"] == 40
+        assert resumed == head and history[0]["step"] == step + 1 and history[-1]["step"] == 16
 
 
 def test_head_stage_publishes_a_loadable_adapter_and_decodes(data, tmp_path, monkeypatch, capsys):
