@@ -501,3 +501,18 @@ def test_a_served_run_outside_the_policy_fails_before_any_work(tmp_path, monkeyp
             teacher, PromptSpec(source="files", files=(str(tmp_path / "secret.jsonl"),)), store=served.store
         )
     assert not (tmp_path / "store").exists()
+
+
+def test_a_policy_file_and_flags_combine_and_a_typo_is_named(tmp_path):
+    from a2d.deployments.serve import load_policy
+    from a2d.flows.policy import with_flags
+    from a2d.specs import ConfigError
+
+    f = tmp_path / "policy.yaml"
+    f.write_text("store_roots: [s3://team/a2d]\nallow_remote_code: true\n")
+    policy = with_flags(load_policy(str(f)), data_paths=["/data"], max_random_teacher_params=5)
+    assert policy.store_roots == ("s3://team/a2d",) and policy.allow_remote_code
+    assert policy.data_paths == ("/data",) and policy.max_random_teacher_params == 5
+    f.write_text("store_root: [s3://team/a2d]\n")
+    with pytest.raises(ConfigError, match="store_root"):
+        load_policy(str(f))
