@@ -226,12 +226,10 @@ def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_proces
         "--num_processes",
     ]
     run_training(one)
-    run_training(two)
-    # a 2-process run stopped after step 1 (its checkpoint) and resumed by 2 processes: the same weights
-    stopped = two.model_copy(update={"workdir": str(tmp_path / "resumed"), "stop_after": 1})
-    run_training(stopped)
-    assert checkpoints.latest(tmp_path / "resumed" / "checkpoints").name == "step-00000001"
-    resumed = run_training(stopped.model_copy(update={"stop_after": None}))
+    # the 2-process run is stopped after step 1 (its checkpoint), then resumed by 2 processes
+    run_training(two.model_copy(update={"stop_after": 1}))
+    assert checkpoints.latest(tmp_path / "two" / "checkpoints").name == "step-00000001"
+    resumed = run_training(two)
     assert [h["step"] for h in resumed["history"]] == [2]
 
     def final(run: str) -> dict:
@@ -241,11 +239,10 @@ def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_proces
             **load_file(ckpt / "extras.safetensors"),
         }
 
-    a, b, c = final("one"), final("two"), final("resumed")
-    assert a.keys() == b.keys() == c.keys() and "mask_embedding" in a
-    for k in a:  # LoRA weights and the mask embedding
+    a, b = final("one"), final("two")
+    assert a.keys() == b.keys() and "mask_embedding" in a
+    for k in a:  # LoRA weights and the mask embedding: 2 resumed processes = 1 uninterrupted process
         torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(c[k], b[k], atol=1e-6, rtol=0)
     assert any(v.abs().max() > 1e-4 for k, v in a.items() if "lora_B" in k)  # training did move the weights
     assert (a["mask_embedding"] - _initial_mask(store, refs)).abs().max() > 1e-5
     assert (
