@@ -14,6 +14,13 @@ stage's tasks.
 Run parameters replace a deployment's defaults per top-level name: `{"until": "prompts"}` keeps
 the served config, while passing `config` replaces all of it (omitted fields take the flow's
 defaults, not the served config's).
+
+Whoever reaches the API can start runs, so runs are bounded by a policy the operator sets here and
+the UI cannot change (`a2d.specs.ServePolicy`, enforced by every flow before any work): the store
+roots, the local data paths, the Dask schedulers a run may use, whether it may run a checkpoint's
+own code, and the largest random teacher. What the served config itself uses is always allowed;
+anything else needs `--allow-store`, `--allow-data`, `--allow-dask`, `--allow-remote-code`,
+`--max-random-teacher-params` or a `--policy FILE` (YAML with those fields).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
-from a2d.specs import PipelineConfig, load_config
+from a2d.flows.policy import export, policy_for
+from a2d.specs import ConfigError, PipelineConfig, ServePolicy, load_config
 from a2d.tasks.concurrency import GPU_LIMIT, ensure_limit
 
 log = logging.getLogger("a2d.serve")
@@ -181,22 +189,40 @@ def check_server() -> str:
     return url
 
 
+def load_policy(path: str | None) -> ServePolicy | None:
+    """A `--policy` YAML file (ServePolicy fields), or None without one."""
+    if path is None:
+        return None
+    import yaml
+    from pydantic import ValidationError
+
+    try:
+        return ServePolicy.model_validate(yaml.safe_load(open(path).read()) or {})
+    except (OSError, yaml.YAMLError, ValidationError) as e:
+        raise ConfigError(f"--policy {path}: {e}") from None
+
+
 def serve(
     config_path: str | None,
     cron: str | None = None,
     overrides: list[str] | None = None,
     gpu_slots: int = 1,
+    policy: ServePolicy | None = None,
 ) -> None:
     """Serve every deployment to the server at PREFECT_API_URL until interrupted.
 
     `cron` schedules `regenerate-data` (e.g. "0 3 * * *"); the `gpu` global concurrency limit is
-    created with `gpu_slots` slots when the server does not have it yet.
+    created with `gpu_slots` slots when the server does not have it yet. `policy` (with what the
+    served config uses added, see `policy_for`) bounds every run of these deployments.
     """
     from prefect import serve as prefect_serve
 
-    config = load_config(config_path, overrides)
+    config = absolute_store(load_config(config_path, overrides))
     url = check_server()
     deployments = build_deployments(config, cron)
+    effective = policy_for(config, policy)
+    export(effective)  # inherited by the process of every flow run started from here
+    log.info("serve policy: %s", effective.model_dump_json())
     created = ensure_limit(GPU_LIMIT, gpu_slots)
     log.info(
         "global concurrency limit %r %s on %s",

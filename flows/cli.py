@@ -58,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Checksums are re-hashed only when every artifact is complete: otherwise the stages verify
     # what they reuse themselves, and hashing here first would read every shard twice.
     complete = all(store.is_complete(r) for r in refs.values())
-    if complete and all(store.reusable(r, verify=config.run.verify_reuse) for r in refs.values()):
+    if complete and all(_reusable(store, r, config.run.verify_reuse) for r in refs.values()):
         for stage, ref in refs.items():
             print(f"reuse {stage:<12} {ref.key}  (complete at {ref.uri})")
     else:
@@ -76,20 +76,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reusable(store: Any, ref: Any, verify: bool) -> bool:
+    """`store.reusable` under the artifact's lock: it may repair or demote what it checks."""
+    with store.lock(ref):
+        return store.reusable(ref, verify=verify)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
+    store.check_root()
     rows = [store.describe(r) for r in store.iter_refs(args.stage)]
     rows.sort(key=lambda r: (STAGES.index(r["stage"]) if r["stage"] in STAGES else 99, r["created"] or ""))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        r["state"] = "complete" if r["complete"] else "partial"
+        r["state"] = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
         r["shards"] = f"{r['shards_done']}/{r['shards_total']}"
         r["size"] = _human(r["bytes"])
     print(_table(rows, ["stage", "key", "state", "shards", "size", "created"]) if rows else "no artifacts")
+    for r in rows:
+        for problem in r["damaged"]:
+            print(f"  {r['stage']}/{r['key']}: {problem}; a rerun of the stage repairs it")
     return 0
 
 
@@ -97,6 +107,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
+    store.check_root()
     ref = store.find(args.key)
     info = store.describe(ref)
     out: dict[str, Any] = {"artifact": info, "lineage": store.lineage(ref)}
@@ -141,6 +152,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
 
     store = ArtifactStore(_store_arg(args))
+    store.check_root()
     refs = [store.find(args.key)] if args.key else list(store.iter_refs())
     results = []
     for ref in tqdm(refs, desc="verify", disable=args.json or not sys.stderr.isatty()):
@@ -183,14 +195,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from a2d.deployments.serve import serve
+    from a2d.deployments.serve import load_policy, serve
+    from a2d.flows.policy import with_flags
 
     overrides = list(args.set or [])
     if args.store:
         overrides.append(f"store={args.store}")
     elif os.environ.get("A2D_STORE"):
         overrides.append(f"store={os.environ['A2D_STORE']}")
-    serve(args.config, cron=args.cron, overrides=overrides, gpu_slots=args.gpu_slots)
+    flags = with_flags(
+        load_policy(args.policy),
+        store_roots=args.allow_store,
+        data_paths=args.allow_data,
+        dask_addresses=args.allow_dask,
+        allow_remote_code=args.allow_remote_code,
+        max_random_teacher_params=args.max_random_teacher_params,
+    )
+    serve(args.config, cron=args.cron, overrides=overrides, gpu_slots=args.gpu_slots, policy=flags)
     return 0
 
 
@@ -256,6 +277,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cron", default=None, help='cron schedule for regenerate-data, e.g. "0 3 * * *"')
     serve.add_argument(
         "--gpu-slots", type=int, default=1, help="slots of the `gpu` concurrency limit when creating it"
+    )
+    policy = serve.add_argument_group(
+        "policy",
+        "what runs from these deployments may do (the UI cannot change it; the served config's "
+        "own store, files, teacher path and Dask address are always allowed)",
+    )
+    policy.add_argument(
+        "--policy", metavar="FILE", help="YAML with store_roots, data_paths, dask_addresses, ..."
+    )
+    policy.add_argument(
+        "--allow-store", action="append", metavar="URI", help="another store root runs may use"
+    )
+    policy.add_argument(
+        "--allow-data", action="append", metavar="PATH", help="a local file or folder runs may read"
+    )
+    policy.add_argument(
+        "--allow-dask", action="append", metavar="ADDRESS", help="a Dask scheduler runs may use"
+    )
+    policy.add_argument(
+        "--allow-remote-code",
+        action="store_true",
+        help="let runs set teacher.trust_remote_code (runs its code)",
+    )
+    policy.add_argument(
+        "--max-random-teacher-params", type=int, metavar="N", help="largest random teacher (default 1e9)"
     )
     serve.set_defaults(fn=cmd_serve)
     return p

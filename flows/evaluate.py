@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.policy import enforce
 from a2d.flows.stage import run_sharded
 from a2d.specs import EvalSpec, RunOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -22,6 +23,7 @@ def eval_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Speed and quality of every sampler; metrics.json, a speed/quality plot and a Markdown report."""
+    enforce(store=store, run=opts, refs=(teacher, responses, head, vfm))  # a served run: before any work
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm}
     return run_sharded(

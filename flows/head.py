@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.policy import enforce
 from a2d.flows.stage import run_sharded
 from a2d.specs import HeadSpec, RunOptions, TeacherSpec, TrainOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -24,6 +25,9 @@ def head_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Masked-diffusion + trajectory curriculum + anchor alignment; publishes a PEFT adapter."""
+    enforce(
+        store=store, teacher=teacher_spec, run=opts, refs=(teacher, responses, anchors, trajectories)
+    )  # a served run: before any work
     st = ArtifactStore(store)
     return run_sharded(
         st,
@@ -45,4 +49,5 @@ def head_flow(
         opts,
         stage.summarise,
         fan_out=False,
+        stoppable=True,
     )

@@ -11,6 +11,7 @@ from prefect import flow
 from a2d.flows.anchors import anchors_flow
 from a2d.flows.evaluate import eval_flow
 from a2d.flows.head import head_flow
+from a2d.flows.policy import enforce_config
 from a2d.flows.prompts import prompts_flow
 from a2d.flows.responses import responses_flow
 from a2d.flows.teacher import teacher_flow
@@ -85,6 +86,19 @@ STEPS: dict[str, Step] = {
 }
 
 
+def preflight(config: PipelineConfig, stages: tuple[str, ...], refs: Refs) -> None:
+    """Checks that need the teacher's shape, run as soon as it is known (before any later stage works):
+    from the spec for a random teacher, else from the materialised teacher's record."""
+    if "anchors" not in stages:
+        return
+    if "teacher" in refs:
+        anchors.check_layers(
+            config.anchors, anchors.teacher_layer_count(ArtifactStore(config.store), refs["teacher"])
+        )
+    elif config.teacher.source == "random":
+        anchors.check_layers(config.anchors, config.teacher.layers)
+
+
 def stages_until(until: str) -> tuple[str, ...]:
     if until not in STAGES:
         raise ValueError(f"unknown stage {until!r}: choose one of {', '.join(STAGES)}")
@@ -103,7 +117,12 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
     """teacher → prompts → responses → anchors → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
+    enforce_config(config)  # a served run: before any work
     refs: Refs = {}
-    for stage in stages_until(until):
+    stages = stages_until(until)
+    preflight(config, stages, refs)
+    for stage in stages:
         refs[stage] = STEPS[stage].run(config, refs)
+        if stage == "teacher":
+            preflight(config, stages, refs)
     return refs

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from a2d.flows.pipeline import STEPS, Refs
+from a2d.flows.pipeline import STEPS, Refs, preflight
+from a2d.flows.policy import enforce_config
 from a2d.specs import PipelineConfig
 from a2d.stores.artifacts import ArtifactStore, Timer
 from a2d.tasks.runtime import in_prefect_run, logger
@@ -64,16 +65,20 @@ def summary(config: PipelineConfig, outcomes: list[Outcome]) -> str:
 @flow(name="regenerate-data", log_prints=True)
 def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
     """Rebuild prompts → responses → anchors → trajectories where their inputs changed; the teacher is reused."""
+    enforce_config(config)  # a served run: before any work
     log = logger()
     store = ArtifactStore(config.store)
     refs: Refs = {}
     outcomes: list[Outcome] = []
+    preflight(config, ("teacher", *DATA_STAGES), refs)
     for stage in ("teacher", *DATA_STAGES):
         step = STEPS[stage]
         # Decided before the stage runs: a complete manifest means the stage only re-verifies it.
         reused = store.is_complete(store.ref_for(step.inputs(config, refs)))
         timer = Timer()
         refs[stage] = step.run(config, refs)
+        if stage == "teacher":
+            preflight(config, ("teacher", *DATA_STAGES), refs)
         outcomes.append(Outcome(stage, refs[stage].key, reused, timer.seconds))
         log.info("regenerate-data: %s %s %s", stage, refs[stage].key, "reused" if reused else "rebuilt")
     report = summary(config, outcomes)

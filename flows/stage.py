@@ -6,12 +6,14 @@ Flows call `run_sharded` with the stage's key inputs (from the one `key_inputs` 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from a2d.specs import RunOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer
 from a2d.stores.keys import KeyInputs
+from a2d.tasks.interrupt import forward_sigterm
 from a2d.tasks.report import publish_stage_table
 from a2d.tasks.runtime import logger
 
@@ -49,6 +51,7 @@ def run_sharded(
     opts: RunOptions,
     metrics: Callable[[dict[str, dict]], dict[str, Any]] | None = None,
     fan_out: bool = True,
+    stoppable: bool = False,
 ) -> ArtifactRef:
     """Build the artifact `inputs` names, shard by shard, with at most `opts.workers` shard tasks in flight.
 
@@ -56,50 +59,60 @@ def run_sharded(
     checksums still verify are kept and only the rest run; the manifest is written last. `shards`
     may be a callable, evaluated only when there is work to do (listing them can read a dataset).
     `fan_out=False` runs the shards one at a time in this process (single-shard training stages).
+    `stoppable=True` (training stages) hands SIGTERM from this, the flow's main thread, to the shard
+    task's stop action (`a2d.tasks.interrupt`): it checkpoints and fails with a "rerun to resume" error.
     """
     log = logger()
     timer = Timer()
     ref = store.ref_for(inputs)
-    if store.reusable(ref, verify=opts.verify_reuse):
-        log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
-        publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
-        return ref
-    plan = store.plan(ref)
-    if callable(shards):  # a partial or demoted artifact keeps the shards it planned
-        shards = plan["shards"] if plan else shards()
-    shards = list(shards)
-    store.write_plan(ref, inputs, shards)
-    pending = []
-    for shard in shards:
-        if store.finished_shard(ref, shard, verify=opts.verify_reuse) is None:
-            store.discard_shard(ref, shard)
-            pending.append(shard)
-    log.info(
-        "%s %s: %d of %d shards already finished, running %d",
-        ref.stage,
-        ref.key,
-        len(shards) - len(pending),
-        len(shards),
-        len(pending),
-    )
-    workers = opts.workers if fan_out else 1
-    if fan_out and opts.runner == "dask" and pending:
-        _run_on_dask(shard_task, [shard_kwargs(ref, s) for s in pending], workers, opts.dask_address)
+    # One run builds an artifact at a time: a second run waits here, then finds it complete.
+
+    def waiting() -> None:
+        log.info("%s %s: another run is building it; waiting for it to finish", ref.stage, ref.key)
+
+    with store.lock(ref, on_wait=waiting):
+        store.clean_scratch(ref)  # what a killed run left behind
+        if store.reusable(ref, verify=opts.verify_reuse):
+            log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
+            publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
+            return ref
+        plan = store.plan(ref)
+        if callable(shards):  # a partial or demoted artifact keeps the shards it planned
+            shards = plan["shards"] if plan else shards()
+        shards = list(shards)
+        store.write_plan(ref, inputs, shards)
         pending = []
-    # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
-    for start in range(0, len(pending), workers):
-        wave = pending[start : start + workers]
-        if hasattr(shard_task, "submit"):
-            futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
-            for future in futures:
-                future.result()
-        else:
-            for s in wave:
-                shard_task(**shard_kwargs(ref, s))
-    markers = {s: store.marker(ref, s) for s in shards}
-    stage_metrics = metrics(markers) if metrics else {}
-    stage_metrics["seconds"] = round(timer.seconds, 3)
-    store.commit(ref, stage_metrics)
-    log.info("%s %s: committed %s", ref.stage, ref.key, ref.uri)
-    publish_stage_table(store, ref, seconds=timer.seconds, reused=False)
-    return ref
+        for shard in shards:
+            if store.finished_shard(ref, shard, verify=opts.verify_reuse) is None:
+                store.discard_shard(ref, shard)
+                pending.append(shard)
+        log.info(
+            "%s %s: %d of %d shards already finished, running %d",
+            ref.stage,
+            ref.key,
+            len(shards) - len(pending),
+            len(shards),
+            len(pending),
+        )
+        workers = opts.workers if fan_out else 1
+        if fan_out and opts.runner == "dask" and pending:
+            _run_on_dask(shard_task, [shard_kwargs(ref, s) for s in pending], workers, opts.dask_address)
+            pending = []
+        # Submit in waves of `workers`: the bound holds whatever task runner the flow was given.
+        with forward_sigterm(f"the {ref.stage} stage") if stoppable else contextlib.nullcontext():
+            for start in range(0, len(pending), workers):
+                wave = pending[start : start + workers]
+                if hasattr(shard_task, "submit"):
+                    futures = [shard_task.submit(**shard_kwargs(ref, s)) for s in wave]
+                    for future in futures:
+                        future.result()
+                else:
+                    for s in wave:
+                        shard_task(**shard_kwargs(ref, s))
+        markers = {s: store.marker(ref, s) for s in shards}
+        stage_metrics = metrics(markers) if metrics else {}
+        stage_metrics["seconds"] = round(timer.seconds, 3)
+        store.commit(ref, stage_metrics)
+        log.info("%s %s: committed %s", ref.stage, ref.key, ref.uri)
+        publish_stage_table(store, ref, seconds=timer.seconds, reused=False)
+        return ref

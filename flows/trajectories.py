@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.policy import enforce
 from a2d.flows.stage import run_sharded
 from a2d.specs import RunOptions, TrajectorySpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -20,6 +21,7 @@ def trajectories_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """One record per sample: the step at which each response position is committed."""
+    enforce(store=store, run=opts, refs=(responses, anchors))  # a served run: before any work
     st = ArtifactStore(store)
     return run_sharded(
         st,

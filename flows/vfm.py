@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.policy import enforce
 from a2d.flows.stage import run_sharded
 from a2d.specs import RunOptions, TrainOptions, VFMSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -21,6 +22,7 @@ def vfm_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Noise adapter q_φ(z | prompt) trained so the frozen student decodes the teacher's response in one step."""
+    enforce(store=store, run=opts, refs=(head, responses))  # a served run: before any work
     st = ArtifactStore(store)
     return run_sharded(
         st,
@@ -39,4 +41,5 @@ def vfm_flow(
         opts,
         stage.summarise,
         fan_out=False,
+        stoppable=True,
     )

@@ -6,6 +6,7 @@ No Prefect and no fsspec here: every function takes and returns local paths and 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from pathlib import Path
@@ -81,6 +82,15 @@ def random_model(architecture: str, layers: int, hidden: int, seed: int, vocab_s
         else:
             raise ValueError(f"unknown random architecture {architecture!r}: use qwen3_5 or llama")
     return model.eval()
+
+
+@functools.lru_cache(maxsize=16)
+def random_teacher_parameters(architecture: str, layers: int, hidden: int) -> int:
+    """Exact parameter count of a random teacher, from a model built on the meta device (no memory)."""
+    vocab = ((len(byte_tokenizer()) + 63) // 64) * 64
+    with torch.device("meta"):
+        model = random_model(architecture, layers, hidden, 0, vocab)
+    return sum(p.numel() for p in model.parameters())
 
 
 def build_random_teacher(

@@ -9,6 +9,7 @@ from a2d.specs.config import (
     apply_overrides,
     load_config,
 )
+from a2d.specs.policy import ServePolicy
 from a2d.specs.stages import (
     AnchorSpec,
     EvalSpec,
@@ -33,6 +34,7 @@ __all__ = [
     "PromptSpec",
     "ResponseSpec",
     "RunOptions",
+    "ServePolicy",
     "Spec",
     "TeacherSpec",
     "TrainOptions",

@@ -134,7 +134,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; the shipped ones are in configs/")
-        loaded = yaml.safe_load(p.read_text())
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e)
+            raise ConfigError(f"config file {p} is not valid YAML{where}: {what}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded or {}

@@ -103,16 +103,22 @@ class AnchorReader:
 
     def __init__(self, store: ArtifactStore, ref: ArtifactRef):
         manifest = store.manifest(ref)
+        missing = store.missing_files(ref)  # zarr would read a deleted chunk as zeros
+        if missing:
+            store.refuse_damaged(ref, missing)
+        self.store, self.ref = store, ref
         self.loc = store.loc(ref)
         self.meta: dict[str, Any] = manifest["metrics"]["anchor_attrs"]
+        self.shard_attrs: dict[str, dict[str, Any]] = {s: m["attrs"] for s, m in manifest["shards"].items()}
         self.layers: list[int] = list(self.meta["layers"])
         self._groups: dict[str, zarr.Group] = {}
         self._index: dict[str, _Where] = {}
         for shard in manifest["shards"]:
-            g = self._group(shard)
-            offsets = g["offsets"][...]
-            for i, sid in enumerate(g["sample_ids"][...].tolist()):
-                self._index[str(sid)] = _Where(shard, int(offsets[i]), int(offsets[i + 1]))
+            with store.reading(ref, [shard]):
+                g = self._group(shard)
+                offsets = g["offsets"][...]
+                for i, sid in enumerate(g["sample_ids"][...].tolist()):
+                    self._index[str(sid)] = _Where(shard, int(offsets[i]), int(offsets[i + 1]))
 
     def _group(self, shard: str) -> zarr.Group:
         if shard not in self._groups:
@@ -133,6 +139,23 @@ class AnchorReader:
                     f"the consumer expects {name}={want!r}; rebuild the anchors with the consumer's settings"
                 )
 
+    def check_responses(
+        self, store: ArtifactStore, responses: ArtifactRef, shards: list[str] | None = None
+    ) -> None:
+        """Refuse anchors captured from other response rows than `responses` holds now, shard by shard
+        (a responses shard rebuilt with other tokens keeps its key; its checksum changes)."""
+        self.check(responses_key=responses.key)
+        now = store.manifest(responses)["shards"]
+        for shard in shards if shards is not None else list(self.shard_attrs):
+            have = self.shard_attrs.get(shard, {}).get("responses_sha256")
+            want = now.get(shard, {}).get("sha256")
+            if have != want:
+                raise AnchorMismatchError(
+                    f"anchors shard {shard} at {self.loc.uri} was captured from responses with sha256 "
+                    f"{have}, but responses shard {shard} at {store.loc(responses).uri} now has sha256 {want}: "
+                    f"they no longer describe the same rows; delete {self.loc.uri} and rerun the anchors stage"
+                )
+
     def _layer_pos(self, layers: list[int]) -> list[int]:
         missing = [i for i in layers if i not in self.layers]
         if missing:
@@ -142,7 +165,12 @@ class AnchorReader:
             )
         return [self.layers.index(i) for i in layers]
 
-    def _decode(self, g: zarr.Group, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+    def _decode(self, shard: str, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+        """float32 (rows, layers, hidden) of one shard; a damaged chunk is named, not a codec error."""
+        with self.store.reading(self.ref, [shard]):
+            return self._decode_group(self._group(shard), rows, layer_pos)
+
+    def _decode_group(self, g: zarr.Group, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
         if self.meta["dtype"] == "int8":
             block = Int8Block(
                 q=g["hidden"].get_orthogonal_selection((rows, layer_pos, slice(None))),
@@ -163,7 +191,7 @@ class AnchorReader:
         if sample_id not in self._index:
             raise KeyError(f"sample {sample_id!r} has no anchors in {self.loc.uri}")
         w = self._index[sample_id]
-        return self._decode(self._group(w.shard), slice(w.start, w.end), self._layer_pos(layers))
+        return self._decode(w.shard, slice(w.start, w.end), self._layer_pos(layers))
 
     def at(self, sample_id: str, layers: list[int], positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """The stored states of one sample at the given absolute token positions (those stored).
@@ -195,8 +223,9 @@ class AnchorReader:
     def scalars(self, sample_id: str) -> dict[str, np.ndarray]:
         """positions, confidence and entropy of one sample's stored tokens."""
         w = self._index[sample_id]
-        g = self._group(w.shard)
-        return {k: g[k][w.start : w.end] for k in ("positions", "confidence", "entropy")}
+        with self.store.reading(self.ref, [w.shard]):
+            g = self._group(w.shard)
+            return {k: g[k][w.start : w.end] for k in ("positions", "confidence", "entropy")}
 
     def batch(
         self, sample_ids: list[str], layers: list[int], token_fraction: float, rng: np.random.Generator
@@ -214,7 +243,7 @@ class AnchorReader:
                 {
                     "sample_id": sid,
                     "positions": g["positions"][w.start : w.end][rows],
-                    "hidden": self._decode(g, w.start + rows, pos),  # (k, len(layers), H)
+                    "hidden": self._decode(w.shard, w.start + rows, pos),  # (k, len(layers), H)
                 }
             )
         return out

@@ -6,12 +6,20 @@ Layout of one artifact:
     _markers/<shard>.json one per finished shard: its files with sha256, rows, tokens, stats
     <shard files>         part-00000.parquet, part-00000.zarr/…, model/…
     manifest.json         written last and atomically: only its presence makes the artifact complete
+
+Metadata that cannot be read (a truncated manifest.json or marker) is treated like a failed
+checksum: it is named, the artifact is demoted to partial, and a rerun rebuilds what it covered. A
+marker lost under an intact manifest is rewritten from the manifest once the shard's files verify.
+One run at a time builds an artifact (`ArtifactStore.lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,10 +32,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from a2d.stores.keys import KeyInputs, canonical, sha256_file, sha256_stream, sha256_tree
+from a2d.stores.locks import file_lock
 from a2d.stores.uri import Location
+
+log = logging.getLogger("a2d")
 
 MANIFEST = "manifest.json"
 PLAN = "_plan.json"
+DAMAGED = "_damaged.json"  # shards a reader found damaged: the next run rebuilds them
 MARKERS = "_markers"
 
 
@@ -44,7 +56,17 @@ class ArtifactRef(BaseModel):
 
 
 class IncompleteArtifactError(RuntimeError):
-    """Raised when a consumer is handed an artifact whose manifest is missing."""
+    """Raised when a consumer is handed an artifact whose manifest is missing or damaged."""
+
+
+class DamagedArtifactError(IncompleteArtifactError):
+    """A complete artifact whose files do not match their checksums; the message names them."""
+
+
+KEY_PATTERN = re.compile(r"^[0-9a-f]{16}$")
+
+
+SCRATCH_MARK = ".tmp-"  # in the names of shard scratch folders and of atomic-write temp files
 
 
 def package_version() -> str:
@@ -107,38 +129,164 @@ class ArtifactStore:
 
     # -- state --------------------------------------------------------------------------------------
     def is_complete(self, ref: ArtifactRef) -> bool:
-        return self.loc(ref).exists(MANIFEST)
+        """Whether the artifact has a readable manifest (a damaged one makes it partial)."""
+        return self.loc(ref).read_json_checked(MANIFEST)[0] is not None
 
     def reusable(self, ref: ArtifactRef, verify: bool = True) -> bool:
         """Complete and, with `verify`, every shard still matches its checksum.
 
-        A complete artifact with a corrupted shard is demoted to partial (its manifest is removed;
-        markers of the bad shards too) so that the next run rebuilds exactly those shards.
+        A complete artifact with a corrupted shard or a damaged manifest is demoted to partial (its
+        manifest is removed; markers of the bad shards too) so that the next run rebuilds exactly
+        those shards (or, for a damaged manifest alone, only commits again). A missing or damaged
+        marker under an intact manifest is rewritten from the manifest when the shard's files
+        (re-hashed with `verify`) match it. Call under `lock(ref)`: this writes.
         """
-        if not self.is_complete(ref):
+        loc = self.loc(ref)
+        manifest, damaged = loc.read_json_checked(MANIFEST)
+        if damaged:
+            log.warning("%s; demoting it to partial", damaged)
+            loc.remove(MANIFEST)
             return False
-        if not verify:
-            return True
-        bad = [s for s, m in self.manifest(ref)["shards"].items() if self.check_shard(ref, m)]
-        if not bad:
-            return True
-        self.loc(ref).remove(MANIFEST)
-        for shard in bad:
-            self.discard_shard(ref, shard)
-        return False
+        if manifest is None:
+            return False
+        bad = {s for s, m in manifest["shards"].items() if verify and self.check_shard(ref, m)}
+        if loc.exists(DAMAGED):  # a reader found these shards damaged (an unreadable note: all)
+            noted = loc.read_json_checked(DAMAGED)[0]
+            log.warning("%s: a reader found damage (%s); rebuilding", loc.uri, (noted or {}).get("problems"))
+            bad |= (
+                set(noted.get("shards", [])) & set(manifest["shards"]) if noted else set(manifest["shards"])
+            )
+            loc.remove(DAMAGED)
+        if bad:
+            loc.remove(MANIFEST)
+            for shard in sorted(bad):
+                self.discard_shard(ref, shard)
+            return False
+        for shard, recorded in manifest["shards"].items():
+            if self.marker(ref, shard) != recorded:  # lost, damaged or rewritten: the manifest wins
+                log.warning(
+                    "%s/%s/%s.json: missing or damaged; rewritten from manifest.json", loc.uri, MARKERS, shard
+                )
+                loc.write_json(f"{MARKERS}/{shard}.json", recorded)
+        if self.plan(ref) is None:  # the plan is what the manifest was committed from
+            log.warning("%s/%s: missing or damaged; rewritten from manifest.json", loc.uri, PLAN)
+            plan = {k: manifest.get(k) for k in ("stage", "key", "format_version", "spec", "upstream")}
+            loc.write_json(
+                PLAN, {**plan, "shards": list(manifest["shards"]), "created": manifest.get("created")}
+            )
+        return True
 
     def manifest(self, ref: ArtifactRef) -> dict[str, Any]:
         loc = self.loc(ref)
-        if not loc.exists(MANIFEST):
+        manifest, damaged = loc.read_json_checked(MANIFEST)
+        if damaged:
+            raise IncompleteArtifactError(
+                f"{damaged}; the {ref.stage} artifact {ref.key} counts as partial: rerun the "
+                f"{ref.stage} stage to rebuild its manifest"
+            )
+        if manifest is None:
             raise IncompleteArtifactError(
                 f"{ref.stage} artifact {ref.key} at {loc.uri} has no manifest.json: it is partial "
                 f"(a run stopped before it finished); rerun the {ref.stage} stage to complete it"
             )
-        return loc.read_json(MANIFEST)
+        return manifest
 
     def plan(self, ref: ArtifactRef) -> dict[str, Any] | None:
+        """The recorded plan; None when there is none or it is damaged (it is then written again)."""
+        return self.loc(ref).read_json_checked(PLAN)[0]
+
+    def damaged_metadata(self, ref: ArtifactRef) -> list[str]:
+        """A problem line for every metadata file (manifest, plan, markers) that exists but cannot be read."""
         loc = self.loc(ref)
-        return loc.read_json(PLAN) if loc.exists(PLAN) else None
+        names = [MANIFEST, PLAN] + [f"{MARKERS}/{m}" for m in loc.listdir(MARKERS) if m.endswith(".json")]
+        return [p for p in (loc.read_json_checked(n)[1] for n in names) if p]
+
+    def missing_files(self, ref: ArtifactRef, shards: list[str] | None = None) -> list[str]:
+        """Files the manifest lists (for `shards`, default all) that are not there: a listing, no
+        hashing. Zarr reads a deleted chunk as fill values, so its readers check this first."""
+        loc, recorded = self.loc(ref), self.manifest(ref)["shards"]
+        present = set(loc.files())
+        wanted = [rel for s in (shards or list(recorded)) for rel in recorded[s]["files"]]
+        return [f"{loc.uri}/{rel}: missing" for rel in wanted if rel not in present]
+
+    def refuse_damaged(
+        self, ref: ArtifactRef, problems: list[str], cause: BaseException | None = None
+    ) -> None:
+        """Note the shards named in `problems` as damaged (`_damaged.json`: the next run of the
+        artifact's stage demotes it and rebuilds them, even with run.verify_reuse=false) and raise a
+        DamagedArtifactError naming them. The artifact itself is left as it is until then, so other
+        readers in this run get the same error rather than a missing manifest."""
+        manifest = self.manifest(ref)
+        bad = sorted(
+            shard
+            for shard, record in manifest["shards"].items()
+            if any(f"/{rel}:" in p for rel in record["files"] for p in problems)
+        )
+        with self.lock(ref):
+            noted = self.loc(ref).read_json_checked(DAMAGED)[0] or {}
+            shards = sorted({*noted.get("shards", []), *bad})
+            self.loc(ref).write_json(
+                DAMAGED, {"shards": shards, "problems": sorted({*noted.get("problems", []), *problems})}
+            )
+        what = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        raise DamagedArtifactError(
+            f"reading {ref.stage}/{ref.key} failed{what}: {'; '.join(problems)}. Rerun the {ref.stage} "
+            f"stage: it rebuilds the damaged shards ({', '.join(bad)})"
+        ) from cause
+
+    @contextlib.contextmanager
+    def reading(self, ref: ArtifactRef, shards: list[str] | None = None) -> Iterator[None]:
+        """Read from `ref` inside the block; when the read fails and the files of `shards` (default
+        all) no longer match their checksums (say with run.verify_reuse=false), the error names the
+        damaged files instead of a decoder's message, and the artifact is demoted for a rebuild."""
+        try:
+            yield
+        except IncompleteArtifactError:
+            raise
+        except Exception as e:
+            recorded = self.manifest(ref)["shards"]
+            problems = [p for s in (shards or list(recorded)) for p in self.check_shard(ref, recorded[s])]
+            if not problems:
+                raise
+            self.refuse_damaged(ref, problems, e)
+
+    def lock(self, ref: ArtifactRef, on_wait: Any = None) -> contextlib.AbstractContextManager[None]:
+        """Exclusive right to build or repair `ref`, across processes and threads (`stores.locks`).
+
+        Local stores keep the lock files in `{root}/.locks/`; for an object store they live in the
+        local cache, so only runs on the same machine are serialised there.
+        """
+        name = f"{ref.stage}-{ref.key}.lock"
+        if self.root.is_local:
+            return file_lock(self.root.local_path() / ".locks" / name, on_wait)
+        digest = sha256_stream(io.BytesIO(self.root.uri.encode()))[:16]
+        return file_lock(cache_root() / "locks" / digest / name, on_wait)
+
+    def scratch_dir(self, ref: ArtifactRef) -> Path:
+        """Where shard writers put their scratch: inside the artifact on disk (the publish is then a
+        rename), else in the local cache."""
+        loc = self.loc(ref)
+        if loc.is_local:
+            return loc.local_path()
+        return cache_root() / "scratch" / ref.stage / ref.key
+
+    def clean_scratch(self, ref: ArtifactRef) -> list[str]:
+        """Remove the scratch a killed run left (shard folders being written, temp files of atomic
+        writes); names of what was removed. Call under `lock(ref)`: no other run is writing then."""
+        removed = []
+        loc = self.loc(ref)
+        local = self.scratch_dir(ref)
+        for rel in [*loc.listdir(), *(f"{MARKERS}/{m}" for m in loc.listdir(MARKERS))]:
+            if SCRATCH_MARK in rel.rsplit("/", 1)[-1]:
+                loc.remove(rel)
+                removed.append(f"{loc.uri}/{rel}")
+        if not loc.is_local and local.is_dir():
+            for p in local.iterdir():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(str(p))
+        if removed:
+            log.info("removed scratch left by an interrupted run: %s", ", ".join(removed))
+        return removed
 
     def write_plan(self, ref: ArtifactRef, inputs: KeyInputs, shards: list[str]) -> None:
         """Record what this artifact will hold before any shard is written (shown by `a2d ls`)."""
@@ -159,9 +307,8 @@ class ArtifactStore:
 
     # -- shards ---------------------------------------------------------------------------------------
     def marker(self, ref: ArtifactRef, shard: str) -> dict[str, Any] | None:
-        loc = self.loc(ref)
-        rel = f"{MARKERS}/{shard}.json"
-        return loc.read_json(rel) if loc.exists(rel) else None
+        """The shard's marker; None when it is missing or damaged (the shard is then unfinished)."""
+        return self.loc(ref).read_json_checked(f"{MARKERS}/{shard}.json")[0]
 
     def finished_shard(self, ref: ArtifactRef, shard: str, verify: bool = True) -> dict[str, Any] | None:
         """The shard's marker when it exists and (with `verify`) every file still matches its sha256."""
@@ -193,10 +340,9 @@ class ArtifactStore:
         half-published shard is never taken as finished.
         """
         loc = self.loc(ref)
-        scratch_root = loc.local_path() if loc.is_local else None
-        if scratch_root is not None:
-            scratch_root.mkdir(parents=True, exist_ok=True)
-        tmpdir = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=scratch_root))
+        scratch_root = self.scratch_dir(ref)
+        scratch_root.mkdir(parents=True, exist_ok=True)
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{name}{SCRATCH_MARK}", dir=scratch_root))
         try:
             target = tmpdir / name
             yield target
@@ -268,46 +414,71 @@ class ArtifactStore:
 
     def local_copy(self, ref: ArtifactRef, shard: str, cache_root: Path) -> Path:
         """A local folder with one finished shard's files: the artifact itself on disk, else a download
-        into `cache_root/<stage>/<key>/<shard>` verified against the shard's marker."""
-        self.manifest(ref)  # refuses partial artifacts with a clear message
+        into `cache_root/<stage>/<key>/<shard>` verified against the shard's record in the manifest
+        (processes sharing the cache take turns: one downloads, the others then find it there)."""
+        recorded = self.manifest(ref)["shards"][shard]  # refuses partial artifacts with a clear message
         loc = self.loc(ref)
         if loc.is_local:
             return loc.local_path() / shard
-        marker = self.marker(ref, shard)
-        want = {rel.split("/", 1)[1]: h for rel, h in marker["files"].items()}
+        want = {rel.split("/", 1)[1]: h for rel, h in recorded["files"].items()}
         target = cache_root / ref.stage / ref.key / shard
-        if not target.is_dir() or hash_local_tree(target) != want:
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir(parents=True)
-            for rel in want:
-                loc.get_file(f"{shard}/{rel}", target / rel)
-            if hash_local_tree(target) != want:
-                raise RuntimeError(
-                    f"download of {ref.stage}/{ref.key}/{shard} to {target} does not match its checksums"
-                )
+        with file_lock(target.parent / f".{shard}.lock"):
+            if not target.is_dir() or hash_local_tree(target) != want:
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir(parents=True)
+                for rel in want:
+                    loc.get_file(f"{shard}/{rel}", target / rel)
+                if hash_local_tree(target) != want:
+                    raise RuntimeError(
+                        f"download of {ref.stage}/{ref.key}/{shard} to {target} does not match its checksums"
+                    )
         return target
 
     # -- inspection -----------------------------------------------------------------------------------
     def iter_refs(self, stage: str | None = None) -> Iterator[ArtifactRef]:
-        stages = [stage] if stage else [s for s in self.root.listdir() if not s.startswith((".", "_"))]
+        """Every artifact folder `{stage}/{key}` (a known stage, a 16-hex-digit key) under the root."""
+        from a2d.specs import STAGES
+
+        stages = [stage] if stage else [s for s in self.root.listdir() if s in STAGES]
         for s in stages:
             for key in self.root.listdir(s):
-                if not key.startswith("."):
+                if KEY_PATTERN.match(key):
                     yield self.ref(s, key)
+
+    def check_root(self) -> None:
+        """Refuse a store root that is really a stage folder or an artifact folder inside a store."""
+        from a2d.specs import STAGES
+
+        names = set(self.root.listdir())
+        parent = self.root.uri.rsplit("/", 1)[0]
+        if names & {MANIFEST, PLAN, MARKERS}:
+            raise ValueError(
+                f"{self.root.uri} is an artifact folder, not a store root: pass the store with "
+                f"--store {parent.rsplit('/', 1)[0]} and the artifact as stage/key"
+            )
+        name = self.root.uri.rsplit("/", 1)[1]
+        if name in STAGES and names and all(KEY_PATTERN.match(n) for n in names if not n.startswith(".")):
+            raise ValueError(
+                f"{self.root.uri} is the {name} stage folder of a store, not a store root: use --store {parent}"
+            )
 
     def describe(self, ref: ArtifactRef) -> dict[str, Any]:
         """One row of `a2d ls`: completeness, shards done/total, bytes, created."""
         loc = self.loc(ref)
-        complete = loc.exists(MANIFEST)
-        info = self.manifest(ref) if complete else (self.plan(ref) or {})
+        manifest, _ = loc.read_json_checked(MANIFEST)
+        complete = manifest is not None
+        info = manifest if complete else (self.plan(ref) or {})
         shards = list(info.get("shards", []))
-        done = len([m for m in loc.listdir(MARKERS) if m.endswith(".json")])
-        size = sum(v for k, v in loc.files().items() if not k.startswith((".", MARKERS)) and ".tmp-" not in k)
+        done = len([m for m in loc.listdir(MARKERS) if m.endswith(".json") and SCRATCH_MARK not in m])
+        size = sum(
+            v for k, v in loc.files().items() if not k.startswith((".", MARKERS)) and SCRATCH_MARK not in k
+        )
         return {
             "stage": ref.stage,
             "key": ref.key,
             "uri": ref.uri,
             "complete": complete,
+            "damaged": self.damaged_metadata(ref),
             "shards_done": done,
             "shards_total": len(shards),
             "bytes": int(size),
@@ -320,18 +491,22 @@ class ArtifactStore:
     def verify(self, ref: ArtifactRef) -> list[str]:
         """Every problem with an artifact: partial, missing markers, missing or corrupted files."""
         loc = self.loc(ref)
-        info = self.manifest(ref) if loc.exists(MANIFEST) else None
+        info, damaged = loc.read_json_checked(MANIFEST)
+        problems = self.damaged_metadata(ref)
         if info is None:
             plan = self.plan(ref) or {"shards": []}
-            problems = [f"{loc.uri}: partial (no manifest.json)"]
+            if not damaged:
+                problems.insert(0, f"{loc.uri}: partial (no manifest.json)")
             shards = plan["shards"]
         else:
-            problems, shards = [], list(info["shards"])
+            shards = list(info["shards"])
         for shard in shards:
             marker = self.marker(ref, shard)
             if marker is None:
+                if info is not None and loc.read_json_checked(f"{MARKERS}/{shard}.json")[1] is None:
+                    problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: marker missing (a rerun rewrites it)")
                 if info is not None:
-                    problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: marker missing")
+                    problems.extend(self.check_shard(ref, info["shards"][shard]))
                 continue
             if info is not None and info["shards"][shard]["sha256"] != marker["sha256"]:
                 problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: disagrees with manifest.json")
@@ -340,9 +515,17 @@ class ArtifactStore:
 
     def find(self, key_prefix: str) -> ArtifactRef:
         """The one artifact whose key starts with `key_prefix` (or `stage/key`)."""
-        stage = None
+        from a2d.specs import STAGES
+
+        given, stage = key_prefix, None
         if "/" in key_prefix:
             stage, key_prefix = key_prefix.split("/", 1)
+        if (stage is not None and stage not in STAGES) or not re.fullmatch(r"[0-9a-f]*", key_prefix):
+            raise KeyError(
+                f"{given!r} is not an artifact key: give a key or a unique prefix of one (hex digits), or "
+                f"stage/key such as prompts/8d35f8; `a2d ls` lists them (a folder is not a key: pass "
+                "a store's root with --store)"
+            )
         hits = [r for r in self.iter_refs(stage) if r.key.startswith(key_prefix)]
         if not hits:
             raise KeyError(f"no artifact with key {key_prefix!r} in {self.root.uri}; `a2d ls` lists them")

@@ -8,8 +8,8 @@ A checkpoint folder `checkpoints/step-NNNNNNNN/` holds:
     rng.safetensors           torch CPU (and CUDA) RNG states
     state.json                step, data cursor, optimizer param groups, scheduler state, file hashes
 
-state.json is written last; a checkpoint without it, or whose files do not match its hashes, is
-ignored on resume.
+state.json is written last (and flushed to disk); a checkpoint without it, with one that does not
+parse, or whose files do not match its hashes, is passed over on resume for the one before it.
 
 Training always writes to local disk. When the artifact store is remote (s3://…), each published
 checkpoint is also mirrored to `<artifact>/checkpoints/` in the store (state.json uploaded last),
@@ -19,6 +19,7 @@ so a retry on another machine or pod resumes from it: `restore` brings the newes
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -36,6 +37,44 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
+
+
+def step_of(ckpt: Path) -> int:
+    """The step a checkpoint folder `step-NNNNNNNN` holds."""
+    return int(ckpt.name.split("-", 1)[1])
+
+
+def read_state(ckpt: Path) -> dict[str, Any] | None:
+    """A checkpoint's state.json, or None when it is missing, truncated, or not a state object."""
+    try:
+        state = json.loads((ckpt / STATE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = (
+        isinstance(state, dict)
+        and isinstance(state.get("files"), dict)
+        and isinstance(state.get("step"), int)
+    )
+    return state if ok else None
+
+
+def _write_durable(path: Path, text: str) -> None:
+    """Write `path` through a temporary file, fsynced, renamed into place, its folder fsynced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -108,7 +147,7 @@ def save(
         "files": files,
         **info,
     }
-    (out / STATE).write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
+    _write_durable(out / STATE, json.dumps(state, indent=2, sort_keys=True, default=str))
 
 
 def publish(
@@ -127,10 +166,11 @@ def publish(
     with `remote`, mirror it there too and keep the newest `keep` there."""
     final = step_dir(root, step)
     tmp = final.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    clean_scratch(root)  # a save or download cut short by a kill left these; one trainer per folder
     save(tmp, model, extras, optimizer, scheduler, step, cursor, info)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    _fsync_dir(root)
     prune(root, keep)
     if remote is not None:
         mirror(final, remote)
@@ -138,17 +178,31 @@ def publish(
     return final
 
 
+def clean_scratch(root: Path) -> None:
+    """Remove `step-N.tmp` (a save) and `step-N.download` (a restore) folders a killed process left."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.suffix in (".tmp", ".download") and _STEP_DIR.match(p.stem):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _verified(ckpt: Path) -> bool:
+    state = read_state(ckpt)
+    return (
+        state is not None and {k: v for k, v in hash_local_tree(ckpt).items() if k != STATE} == state["files"]
+    )
+
+
 def latest(root: Path) -> Path | None:
-    """The newest checkpoint under `root` whose state.json exists and whose files verify."""
+    """The newest checkpoint under `root` whose state.json parses and whose files verify.
+
+    A damaged newest checkpoint (a truncated state.json after a crash, a corrupted tensor file) is
+    passed over for the one before it, so it never blocks a resume.
+    """
     if not root.is_dir():
         return None
     for d in sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)), reverse=True):
-        state_file = d / STATE
-        if not state_file.is_file():
-            continue
-        want = json.loads(state_file.read_text())["files"]
-        have = {k: v for k, v in hash_local_tree(d).items() if k != STATE}
-        if have == want:
+        if _verified(d):
             return d
     return None
 
@@ -166,10 +220,13 @@ def load(
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints."""
-    done = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE).is_file())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Keep the newest `keep` checkpoints whose state.json parses; delete older ones and damaged ones
+    older than those (a damaged checkpoint neither counts as kept nor stays behind)."""
+    steps = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))
+    kept = [p for p in steps if read_state(p) is not None][-keep:]
+    for old in steps:
+        if kept and old not in kept and old < kept[-1]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def remote_root(store: ArtifactStore, ref: ArtifactRef) -> Location | None:
@@ -223,9 +280,8 @@ def restore(remote: Location, root: Path) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
         for rel in src.files():
             src.get_file(rel, tmp / rel)
-        state = tmp / STATE  # gone if another writer pruned this step while we listed it
-        want = json.loads(state.read_text())["files"] if state.is_file() else None
-        if want is None or {k: v for k, v in hash_local_tree(tmp).items() if k != STATE} != want:
+        # state.json is gone if another writer pruned this step while we listed it
+        if not _verified(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
             continue  # a corrupted remote checkpoint: fall back to an older one
         final = step_dir(root, _step(name))

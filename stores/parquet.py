@@ -41,7 +41,14 @@ def write_shard(path: Path, columns: dict[str, Any], schema: pa.Schema) -> int:
 
 
 def read_shard(loc: Location, rel: str, columns: list[str] | None = None) -> pa.Table:
-    """Read one shard (any fsspec store) into memory."""
-    if loc.is_local:
-        return pq.read_table(loc.local_path() / rel, columns=columns)
-    return pq.read_table(io.BytesIO(loc.read_bytes(rel)), columns=columns)
+    """Read one shard (any fsspec store) into memory; a file that is not readable Parquet is an
+    error naming it."""
+    try:
+        if loc.is_local:
+            return pq.read_table(loc.local_path() / rel, columns=columns)
+        return pq.read_table(io.BytesIO(loc.read_bytes(rel)), columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(
+            f"{loc.uri}/{rel} is not readable Parquet ({type(e).__name__}: {e}): the file is damaged or "
+            "missing; `a2d verify` names every damaged file, and a rerun of its stage rebuilds it"
+        ) from e

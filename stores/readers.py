@@ -22,7 +22,8 @@ EVAL_SHARD = "report"  # the eval artifact's one shard: metrics.json, report.md,
 def _table(store: ArtifactStore, ref: ArtifactRef, shards: list[str] | None = None) -> pa.Table:
     names = shards if shards is not None else list(store.manifest(ref)["shards"])
     loc = store.loc(ref)
-    return pa.concat_tables([read_shard(loc, f"{s}.parquet") for s in names])
+    with store.reading(ref, names):
+        return pa.concat_tables([read_shard(loc, f"{s}.parquet") for s in names])
 
 
 def read_prompts(store: ArtifactStore, ref: ArtifactRef, split: str | None = None) -> pa.Table:
@@ -46,6 +47,23 @@ def read_trajectories(store: ArtifactStore, ref: ArtifactRef) -> dict[str, dict[
         rec["unmask_step"] = np.asarray(rec["unmask_step"], dtype=np.int16)
         out[rec["sample_id"]] = rec
     return out
+
+
+def check_same_responses(
+    store: ArtifactStore,
+    trajectories: ArtifactRef,
+    records: dict[str, dict[str, Any]],
+    rows: list[dict[str, Any]],
+) -> None:
+    """Refuse trajectory records whose response tokens differ from the response rows they are paired with."""
+    for row in rows:
+        rec = records.get(row["sample_id"])
+        if rec is not None and rec["response_ids"].tolist() != list(row["response_ids"]):
+            uri = store.loc(trajectories).uri
+            raise ValueError(
+                f"trajectories at {uri} hold other response tokens for sample {row['sample_id']!r} than the "
+                f"responses it is trained with: they were made from other rows; delete {uri} and rerun"
+            )
 
 
 def read_metrics(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:

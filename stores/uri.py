@@ -5,6 +5,7 @@ No other module calls fsspec or zarr on a raw user string; everything goes throu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -69,7 +70,11 @@ class Location:
     """A folder in some filesystem: `uri` is canonical, `fs` does the I/O, `path` is the fs-native path."""
 
     uri: str
-    storage_options: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    storage_options: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __repr__(self) -> str:
+        # Storage options hold credentials (keys, secrets, tokens): only their names are shown.
+        return f"Location({self.uri!r}, storage_options=<{', '.join(sorted(self.storage_options))}>)"
 
     @classmethod
     def of(cls, uri: str, storage_options: dict[str, Any] | None = None) -> Location:
@@ -111,17 +116,37 @@ class Location:
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
+    def read_json_checked(self, rel: str) -> tuple[dict[str, Any] | None, str | None]:
+        """(object, None) for a readable JSON object; (None, problem) when `rel` exists but is
+        truncated, not JSON or not an object; (None, None) when it does not exist."""
+        try:
+            data = self.read_bytes(rel)
+        except FileNotFoundError:
+            return None, None
+        try:
+            obj = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return None, f"{self.uri}/{rel}: damaged ({len(data)} bytes, not valid JSON: {e})"
+        if not isinstance(obj, dict):
+            return None, f"{self.uri}/{rel}: damaged (a JSON {type(obj).__name__}, not an object)"
+        return obj, None
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write a file atomically: readers never see a partial file under the final name."""
         target = self._p(rel)
         if self.protocol in ("file",):
             os.makedirs(posixpath.dirname(target), exist_ok=True)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:  # a full disk, say: no half-written temp file stays behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         else:
             # Object stores publish a PUT atomically; memory:// replaces the value in one step.
             self.fs.pipe_file(target, data)

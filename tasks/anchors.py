@@ -23,7 +23,7 @@ from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import Progress
 
 STAGE = "anchors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each shard records the checksum of the responses shard it was captured from
 
 
 def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> KeyInputs:
@@ -33,6 +33,23 @@ def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key
         data.pop("outlier_channels")
     data["load"] = load.model_dump(mode="json")  # NF4 and bf16 teachers give different anchors
     return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "teacher": teacher_key})
+
+
+def teacher_layer_count(store: ArtifactStore, teacher: ArtifactRef) -> int:
+    """Decoder layers of a materialised teacher, as recorded in its marker (no model load)."""
+    return int(store.manifest(teacher)["shards"][teacher_stage.SHARD]["architecture"]["layers"])
+
+
+def check_layers(spec: AnchorSpec, num_layers: int) -> list[int]:
+    """The layers `spec` selects of a `num_layers`-layer teacher; a clear error when they do not fit,
+    raised before any stage runs the teacher."""
+    try:
+        return resolve_layers(spec.layers, num_layers)
+    except ValueError:
+        raise ValueError(
+            f"anchors.layers={list(spec.layers)} does not fit the teacher's {num_layers} decoder layers: "
+            f"use indices 0..{num_layers - 1}, -1..-{num_layers} from the end, or 'all'"
+        ) from None
 
 
 @dataclass
@@ -167,6 +184,7 @@ def anchors_shard(
     attrs = {
         **teacher_attrs(store, teacher),
         "responses_key": responses.key,
+        "responses_sha256": store.manifest(responses)["shards"][shard]["sha256"],
         "layers": layers,
         "num_model_layers": len(decoder_layers(model)),
         "hidden_size": int(cap.bits.shape[2]),

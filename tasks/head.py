@@ -20,7 +20,7 @@ from a2d.stores import checkpoints
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
 from a2d.tasks.concurrency import gpu_slot
-from a2d.tasks.interrupt import Stopped, on_sigterm
+from a2d.tasks.interrupt import Stopped, on_sigterm, stop_requested
 from a2d.tasks.report import Progress
 from a2d.tasks.runtime import in_prefect_run, logger
 from a2d.tasks.students import HEAD_SHARD
@@ -82,6 +82,8 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
     job_path.write_text(job.model_dump_json(indent=2))
     (work / "result.json").unlink(missing_ok=True)  # written by the trainer when it ends
     progress = Progress(job.spec.steps, f"head {job.head.key}")
+    if stop_requested():  # SIGTERM came while this task was getting ready: start nothing
+        raise Stopped("head training was not started: SIGTERM arrived first; rerun the head stage to resume")
     # The trainer is the installed `a2d.tasks.train_head`, run in this process's working directory;
     # the job names the store by its absolute URI, so a relative store cannot resolve elsewhere.
     proc = subprocess.Popen(
@@ -92,10 +94,14 @@ def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, 
         env={**os.environ, **(env or {})},
     )
     assert proc.stdout is not None
+    logger().info("head training process %d started: %s", proc.pid, job_path)
     # SIGTERM to this process (pod eviction, Prefect cancellation) is passed on, so the trainer
-    # saves a checkpoint at the end of its current step before everything exits.
+    # saves a checkpoint at the end of its current step before everything exits. The flow's main
+    # thread receives it (run_sharded forwards it here, to this task's worker thread).
     bar = tqdm(total=job.spec.steps, desc=f"head {job.head.key}", leave=False)
-    with on_sigterm(lambda: proc.send_signal(signal.SIGTERM)), bar:
+    with on_sigterm(lambda: proc.send_signal(signal.SIGTERM)) as forwarded, bar:
+        if not forwarded:
+            logger().warning("SIGTERM cannot reach this task (no forwarding on the main thread)")
         code = _stream(proc, progress, bar)
     done = work / "result.json"
     result = json.loads(done.read_text()) if done.is_file() else None
@@ -167,8 +173,11 @@ def head_train(
     with gpu_slot():
         result = run_training(job)
     last = checkpoints.latest(work / "checkpoints")
-    if last is None or json.loads((last / checkpoints.STATE).read_text())["step"] != spec.steps:
-        raise RuntimeError("training finished without a final checkpoint")
+    if last is None or checkpoints.step_of(last) != spec.steps:
+        raise RuntimeError(
+            f"head training ended without a verified checkpoint of step {spec.steps} "
+            f"(newest: {last.name if last else 'none'}); rerun the head stage to resume"
+        )
     info = result.get("student", {})
     diffusion_spec = {
         "mask_id": info["mask_id"],

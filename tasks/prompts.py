@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import functools
 import hashlib
+import io
 import json
 import tempfile
 from collections import Counter
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from jinja2 import TemplateError
 from prefect import task
 
 from a2d.specs import PromptSpec, TeacherSpec
@@ -21,8 +24,10 @@ from a2d.stores.parquet import TOKENS, write_shard
 from a2d.tasks import teacher as teacher_stage
 
 STAGE = "prompts"
-FORMAT_VERSION = 2  # 2: prompts deduplicated by normalised text before the split
-REJECT_REASONS = ("empty", "too_long", "undecodable", "missing_column", "duplicate")
+# 2: prompts deduplicated by normalised text before the split
+# 3: sample ids unique within the artifact (same-named files in different folders no longer collide)
+FORMAT_VERSION = 3
+REJECT_REASONS = ("empty", "too_long", "undecodable", "missing_column", "duplicate", "malformed")
 SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
@@ -66,18 +71,94 @@ def key_inputs(spec: PromptSpec, teacher_key: str) -> KeyInputs:
     return KeyInputs(STAGE, FORMAT_VERSION, payload, {"teacher": teacher_key})
 
 
-def _clean_text_file(path: Path, tmp: Path) -> tuple[Path, int]:
-    """Copy a line-based file without lines that are not UTF-8; returns (copy, lines dropped)."""
-    dropped, kept = 0, []
-    for line in path.read_bytes().splitlines(keepends=True):
+def _decoded_lines(path: Path, rejected: Counter) -> list[tuple[int, str]]:
+    """(record number, text) of every line that is UTF-8; the others are counted as undecodable."""
+    out = []
+    for n, raw in enumerate(path.read_bytes().splitlines()):
         try:
-            line.decode("utf-8")
-            kept.append(line)
+            out.append((n, raw.decode("utf-8")))
         except UnicodeDecodeError:
-            dropped += 1
-    out = tmp / path.name
-    out.write_bytes(b"".join(kept))
-    return out, dropped
+            rejected["undecodable"] += 1
+    return out
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return isinstance(value, list) and any(_has_nul(v) for v in value)
+
+
+def _keep(record: Any, n: int, records: list[dict[str, Any]], rejected: Counter) -> None:
+    """Keep a row (with its record number) when it is an object whose text holds no NUL character
+    (a NUL means a damaged or binary file); count it as malformed otherwise."""
+    if isinstance(record, dict) and not _has_nul(record):
+        records.append({**record, "__line__": n})
+    else:
+        rejected["malformed"] += 1
+
+
+def _clean_copy(path: Path, fmt: str, out: Path, rejected: Counter) -> Path:
+    """A copy of a JSON/JSON-lines/CSV file holding only its well-formed rows, each with its record
+    number in `__line__`; bad rows are counted by reason. A file that cannot be parsed at all (a
+    broken JSON array) is an error naming the file and the line."""
+    records: list[dict[str, Any]] = []
+    text = path.read_bytes()
+    if fmt == "json" and text.lstrip().startswith(b"["):  # one JSON array of row objects
+        try:
+            items = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            where = (
+                f"line {e.lineno}, column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else e
+            )
+            raise ValueError(
+                f"prompts.files: {path} is not a valid JSON array ({where}); fix it, or write one object "
+                "per line (.jsonl), where a bad line is only counted as rejected"
+            ) from None
+        for n, item in enumerate(items):
+            _keep(item, n, records, rejected)
+    elif fmt == "json":  # JSON lines
+        for n, line in _decoded_lines(path, rejected):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                item = None
+            _keep(item, n, records, rejected)
+    else:  # CSV: a row with another number of fields than the header is malformed
+        lines = [line for _, line in _decoded_lines(path, rejected)]
+        reader = csv.reader(io.StringIO("\n".join(lines)))
+        header = next(reader, None) or []
+        for n, fields in enumerate(reader):
+            if not fields:
+                continue
+            item = dict(zip(header, fields, strict=True)) if len(fields) == len(header) else None
+            _keep(item, n, records, rejected)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return out
+
+
+def _load(fmt: str, path: Path, shown: Path) -> Any:
+    """`datasets.load_dataset` of one local file, its errors naming the file (`shown`)."""
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as e:  # datasets wraps arrow/pandas errors in several types
+        cause = e.__cause__ or e
+        raise ValueError(
+            f"prompts.files: cannot read {shown} as {fmt} ({type(cause).__name__}: {cause}); "
+            "check that every row has the same columns with the same types"
+        ) from None
+
+
+def _row_names(paths: list[Path]) -> list[str]:
+    """The prefix of generated sample ids per file: its name, or name and position when two files
+    share a name (data.jsonl in two folders must not give the same ids)."""
+    stems = [p.stem for p in paths]
+    return [s if stems.count(s) == 1 else f"{s}-f{i}" for i, s in enumerate(stems)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -85,23 +166,45 @@ def _source_rows_cached(spec_json: str, identity_json: str) -> tuple[tuple[dict[
     from datasets import load_dataset
 
     spec = PromptSpec.model_validate_json(spec_json)
-    undecodable = 0
+    rejected: Counter = Counter()
     if spec.source == "bundled":
         return tuple(bundled.generate(spec.bundled_rows, spec.bundled_seed)), ()
     if spec.source == "hub":
         ds = load_dataset(spec.hub_id, revision=spec.hub_revision, split=spec.split)
-        return tuple(ds), ()
+        return tuple({"__row__": f"row-{i:06d}", **row} for i, row in enumerate(ds)), ()
     rows: list[dict[str, Any]] = []
+    paths = validated_files(spec)
     with tempfile.TemporaryDirectory() as tmp:
-        for path in validated_files(spec):
+        for index, (path, name) in enumerate(zip(paths, _row_names(paths), strict=True)):
             fmt = FILE_FORMATS[path.suffix.lower()]
-            if fmt in ("json", "csv") and not path.read_bytes().lstrip().startswith(b"["):
-                path, dropped = _clean_text_file(path, Path(tmp))
-                undecodable += dropped
-            ds = load_dataset(fmt, data_files=str(path), split="train")
-            for i, row in enumerate(ds):
-                rows.append({"__row__": f"{path.stem}-{i:06d}", **row})
-    return tuple(rows), (("undecodable", undecodable),)
+            if fmt == "parquet":
+                for i, row in enumerate(_load(fmt, path, path)):
+                    rows.append({"__row__": f"{name}-{i:06d}", **row})
+                continue
+            clean = _clean_copy(path, fmt, Path(tmp) / f"{index}.jsonl", rejected)
+            if clean.stat().st_size == 0:
+                continue  # every row was rejected (and counted)
+            for row in _load("json", clean, path):
+                line = row.pop("__line__")
+                rows.append({"__row__": f"{name}-{line:06d}", **row})
+    return tuple(rows), tuple(sorted(rejected.items()))
+
+
+def sample_id(row: dict[str, Any]) -> str:
+    """A row's sample id: its `id` column, else its file and record number (or dataset row)."""
+    return str(row.get("id") or row["__row__"])
+
+
+def check_unique_ids(rows: list[dict[str, Any]]) -> None:
+    """Sample ids must be unique within an artifact: duplicates are refused, naming them."""
+    counts = Counter(sample_id(r) for r in rows)
+    dups = {i: n for i, n in counts.items() if n > 1}
+    if dups:
+        shown = ", ".join(f"{i!r} ({n} rows)" for i, n in sorted(dups.items())[:5])
+        raise ValueError(
+            f"prompts: sample ids must be unique, but {len(dups)} repeat: {shown}{' …' if len(dups) > 5 else ''}; "
+            "fix the dataset's `id` column, or drop it (rows are then named by file and record)"
+        )
 
 
 def normalised_prompt(prompt: Any) -> str:
@@ -140,6 +243,7 @@ def source_rows(spec: PromptSpec) -> tuple[list[dict[str, Any]], Counter]:
         )
     column = "prompt" if spec.source == "bundled" else spec.prompt_column
     kept, duplicates = deduplicate(list(rows), column)
+    check_unique_ids(kept)
     return kept, Counter({**dict(pre), "duplicate": duplicates})
 
 
@@ -147,6 +251,14 @@ def split_of(sample_id: str, eval_fraction: float) -> str:
     """Held-out assignment by a hash of the id: stable when the dataset grows or is reordered."""
     h = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
     return "eval" if h < eval_fraction else "train"
+
+
+def _chat_messages(prompt: Any) -> bool:
+    """Whether a non-string prompt is a list of chat messages: objects with string role and content."""
+    return isinstance(prompt, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt
+    )
 
 
 def _text(value: Any) -> str | None:
@@ -157,7 +269,7 @@ def tokenise_rows(rows: list[dict[str, Any]], spec: PromptSpec, tok: Any) -> tup
     """Template and tokenise; returns the shard's columns and rejections counted by reason."""
     cols: dict[str, list] = {f.name: [] for f in SCHEMA}
     rejected: Counter = Counter()
-    for i, row in enumerate(rows):
+    for row in rows:
         prompt = row.get(spec.prompt_column)
         if prompt is None:
             rejected["missing_column"] += 1
@@ -168,11 +280,18 @@ def tokenise_rows(rows: list[dict[str, Any]], spec: PromptSpec, tok: Any) -> tup
         if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
             rejected["empty"] += 1
             continue
+        if not isinstance(prompt, str) and not _chat_messages(prompt):
+            rejected["malformed"] += 1
+            continue
         if spec.chat_template and getattr(tok, "chat_template", None):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             if spec.system_prompt:
                 messages = [{"role": "system", "content": spec.system_prompt}, *messages]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except (TemplateError, ValueError, TypeError, KeyError):  # e.g. roles the template refuses
+                rejected["malformed"] += 1
+                continue
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             text = prompt if isinstance(prompt, str) else json.dumps(prompt)
@@ -180,9 +299,9 @@ def tokenise_rows(rows: list[dict[str, Any]], spec: PromptSpec, tok: Any) -> tup
         if len(ids) > spec.max_prompt_tokens:
             rejected["too_long"] += 1
             continue
-        sample_id = str(row.get("id") or row.get("__row__") or f"row-{i:06d}")
-        cols["sample_id"].append(sample_id)
-        cols["split"].append(split_of(sample_id, spec.eval_fraction))
+        sid = sample_id(row)
+        cols["sample_id"].append(sid)
+        cols["split"].append(split_of(sid, spec.eval_fraction))
         cols["prompt_text"].append(text)
         cols["prompt_ids"].append(ids)
         cols["reference_response"].append(

@@ -8,7 +8,7 @@ import pyarrow as pa
 from prefect import task
 from tqdm import tqdm
 
-from a2d.models.generate import eos_ids, generate_batch
+from a2d.models.generate import eos_ids, generate_batch, sample_seed
 from a2d.specs import LoadSpec, ResponseSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
 from a2d.stores.keys import KeyInputs
@@ -38,6 +38,9 @@ def key_inputs(spec: ResponseSpec, load: LoadSpec, prompts_key: str, teacher_key
     data = spec.model_dump(mode="json")
     if spec.source == "teacher":
         data["load"] = load.model_dump(mode="json")
+    if spec.source == "teacher" and spec.do_sample:
+        # Sampled responses before this were drawn from torch's global RNG (timing-dependent).
+        data["sampler"] = "gumbel-per-sample"
     return KeyInputs(STAGE, FORMAT_VERSION, data, {"prompts": prompts_key, "teacher": teacher_key})
 
 
@@ -87,7 +90,7 @@ def responses_shard(
                     spec.do_sample,
                     spec.temperature,
                     spec.top_p,
-                    seed=spec.seed + start if spec.do_sample else None,
+                    seeds=[sample_seed(spec.seed, r["sample_id"]) for r in batch],
                 )
                 forwards += g.forwards
                 generated.extend(zip(g.response_ids, g.finish_reason, strict=True))

@@ -29,29 +29,31 @@ def load_student(
     spec = HeadSpec.model_validate(manifest["spec"])
     teacher_ref = store.ref("teacher", manifest["upstream"]["teacher"])
     adapter = store.local_copy(ref, HEAD_SHARD, cache_root())
-    # custom modelling code runs only when the teacher was materialised with it allowed
-    trust_remote_code = bool(store.manifest(teacher_ref)["spec"].get("trust_remote_code", False))
-    student = build_student(
-        teacher_stage.local_dir(store, teacher_ref),
-        spec.quantization,
-        spec.dtype,
-        device,
-        {"rank": spec.lora_rank, "alpha": spec.lora_alpha, "dropout": 0.0, "rslora": spec.rslora},
-        spec.attention,
-        spec.linear_attention,
-        spec.block_size,
-        spec.adapter_scope,
-        adapter_dir=adapter,
-        trust_remote_code=trust_remote_code,
-    )
-    student.load_extras(load_file(adapter / "extras.safetensors"))
+    # A damaged adapter or teacher file (reused unverified) is named, not a safetensors error.
+    # Custom modelling code runs only when the teacher was materialised with it allowed.
+    with store.reading(ref), store.reading(teacher_ref):
+        student = build_student(
+            teacher_stage.local_dir(store, teacher_ref),
+            spec.quantization,
+            spec.dtype,
+            device,
+            {"rank": spec.lora_rank, "alpha": spec.lora_alpha, "dropout": 0.0, "rslora": spec.rslora},
+            spec.attention,
+            spec.linear_attention,
+            spec.block_size,
+            spec.adapter_scope,
+            adapter_dir=adapter,
+            trust_remote_code=bool(store.manifest(teacher_ref)["spec"].get("trust_remote_code", False)),
+        )
+        student.load_extras(load_file(adapter / "extras.safetensors"))
     student.model.eval()
     return student, dspec
 
 
 def load_vfm(store: ArtifactStore, ref: ArtifactRef, device: str = "cpu") -> NoiseAdapter:
     """The noise adapter q(z | prompt) of a complete vfm artifact."""
-    return NoiseAdapter.from_pretrained(store.local_copy(ref, VFM_SHARD, cache_root())).to(device).eval()
+    with store.reading(ref):
+        return NoiseAdapter.from_pretrained(store.local_copy(ref, VFM_SHARD, cache_root())).to(device).eval()
 
 
 def load_flow_map(

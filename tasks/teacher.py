@@ -80,7 +80,8 @@ def load(store: ArtifactStore, ref: ArtifactRef, spec: TeacherSpec, load_spec: L
         if cache_key not in _MODELS:
             _MODELS.clear()  # one teacher resident at a time
             path = local_dir(store, ref)
-            _MODELS[cache_key] = tm.load_teacher(
-                path, load_spec.dtype, load_spec.quantization, device, spec.trust_remote_code
-            )
+            with store.reading(ref):  # a damaged weight file is named, not a loader's error
+                _MODELS[cache_key] = tm.load_teacher(
+                    path, load_spec.dtype, load_spec.quantization, device, spec.trust_remote_code
+                )
         return _MODELS[cache_key]

@@ -34,7 +34,7 @@ from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
 from a2d.stores import checkpoints
 from a2d.stores.anchors import AnchorReader
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
-from a2d.stores.readers import read_responses, read_trajectories
+from a2d.stores.readers import check_same_responses, read_responses, read_trajectories
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.interrupt import StopFlag
 from a2d.tasks.tracking import Tracker
@@ -249,12 +249,15 @@ def setup(job: TrainJob) -> Run:
     )
     reader = AnchorReader(store, job.anchors)
     reader.check(teacher_key=job.teacher.key, capture="residual")
+    reader.check_responses(store, job.responses)
     table = read_responses(store, job.responses)
     samples = sorted((r for r in table.to_pylist() if r["split"] == "train"), key=lambda r: r["sample_id"])
     if not samples:
         raise ValueError(
             "no training samples: every prompt is in the eval split; lower prompts.eval_fraction"
         )
+    trajs = read_trajectories(store, job.trajectories)
+    check_same_responses(store, job.trajectories, trajs, samples)
     sampler = ViewSampler(
         spec.seed,
         spec.steps,
@@ -289,7 +292,7 @@ def setup(job: TrainJob) -> Run:
         student=student,
         reader=reader,
         samples=samples,
-        trajs=read_trajectories(store, job.trajectories),
+        trajs=trajs,
         sampler=sampler,
         token_ids=token_ids,
         align_layers=late,
@@ -457,7 +460,20 @@ def train(job: TrainJob) -> dict[str, Any]:
     }
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel send this process SIGTERM when the process that launched it dies.
+
+    A task process killed outright (SIGKILL, OOM) cannot forward anything; the trainer then still
+    checkpoints its current step and stops instead of running on as an orphan.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     argv = argv if argv is not None else sys.argv[1:]
     job = TrainJob.model_validate_json(Path(argv[0]).read_text())
     result = train(job)

@@ -71,7 +71,7 @@ def trajectories_shard(
     """Order each response's positions by teacher confidence, block by block; one Parquet shard."""
     store = ArtifactStore(store_uri)
     reader = AnchorReader(store, anchors)
-    reader.check(responses_key=responses.key)
+    reader.check_responses(store, responses, [shard])  # the anchors describe exactly these rows
     rows = read_shard(store.loc(responses), f"{shard}.parquet").to_pylist()
     out: dict[str, list] = {f.name: [] for f in SCHEMA}
     student = None

@@ -23,7 +23,7 @@ from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import read_responses
 from a2d.stores.uri import Location
 from a2d.tasks.concurrency import gpu_slot
-from a2d.tasks.interrupt import StopFlag, Stopped, on_sigterm
+from a2d.tasks.interrupt import StopFlag, Stopped, on_sigterm, stop_requested
 from a2d.tasks.report import Progress
 from a2d.tasks.runtime import in_prefect_run, logger
 from a2d.tasks.students import FLOW_MAP_LORA, VFM_SHARD, load_student
@@ -220,6 +220,8 @@ def vfm_train(
     work = workdir(store, ref)
     dev = str(resolve_device(device))
     remote = restore_checkpoints(store, ref, work)
+    if stop_requested():  # SIGTERM came while this task was getting ready: start nothing
+        raise Stopped("vfm training was not started: SIGTERM arrived first; rerun the vfm stage to resume")
     with gpu_slot():
         result = train_vfm(store, head, responses, spec, train, work, dev, remote=remote)
     if result["stopped"]:
@@ -228,6 +230,11 @@ def vfm_train(
             "rerun the vfm stage to resume"
         )
     last = checkpoints.latest(work / "checkpoints")
+    if last is None or checkpoints.step_of(last) != spec.steps:
+        raise RuntimeError(
+            f"vfm training ended at step {result['step']} without a verified checkpoint of step {spec.steps} "
+            f"(newest: {last.name if last else 'none'}); rerun the vfm stage to resume"
+        )
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)
         if spec.tune_lora:

@@ -32,6 +32,8 @@ def reference_states(model, seq: list[int]) -> list[torch.Tensor]:
     for i in range(n - 1):  # the hooks agree with output_hidden_states wherever the latter is pre-norm
         assert torch.equal(out[i], hs[i + 1][0])
     assert not torch.allclose(out[-1], hs[-1][0])  # hidden_states[-1] is after the final norm
+    # ...and the hook's last output is exactly what that final norm is applied to
+    torch.testing.assert_close(model.model.norm(out[-1]), hs[-1][0], atol=1e-6, rtol=1e-5)
     return out
 
 
@@ -69,10 +71,30 @@ def anchored(tmp_path_factory):
     return store, cfg, refs
 
 
-def test_reader_round_trip_and_provenance_checks(anchored):
+@pytest.fixture(scope="module")
+def captured(anchored) -> tuple[list[dict], torch.Tensor]:
+    """One responses shard's rows and the teacher's states for them at layers [0, 31, 63], captured
+    afresh (float32 from the bf16 bits): (T, 3, H)."""
+    from a2d.stores.parquet import read_shard
+    from a2d.tasks.teacher import local_dir
+
+    store, _, refs = anchored
+    st = ArtifactStore(store)
+    rows = read_shard(st.loc(refs["responses"]), "part-00001.parquet").to_pylist()
+    model, tok = load_teacher(local_dir(st, refs["teacher"]), device="cpu")
+    prompts, responses = [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows]
+    cap = capture_shard(model, prompts, responses, [0, 31, 63], "response", tok.pad_token_id, 4)
+    return rows, from_bf16_bits(cap.bits).float()
+
+
+def test_reader_round_trip_and_provenance_checks(anchored, captured):
     store, cfg, refs = anchored
     reader = AnchorReader(ArtifactStore(store), refs["anchors"])
     assert reader.layers == [0, 31, 63]
+    # what comes back from Zarr is, bit for bit, what the teacher's layers produced
+    rows, want = captured
+    got = torch.cat([reader.sample(r["sample_id"], [0, 31, 63]) for r in rows])
+    assert got.shape == want.shape and torch.equal(got, want)
     sid = reader.sample_ids[0]
     one = reader.get(sid, 31)
     both = reader.sample(sid, [0, 63])
@@ -90,7 +112,7 @@ def test_reader_round_trip_and_provenance_checks(anchored):
     )
 
 
-def test_int8_anchors_are_close_and_smaller(anchored):
+def test_int8_anchors_are_close_and_smaller(anchored, captured):
     store, cfg, refs = anchored
     st = ArtifactStore(store)
     cfg8 = tiny_config(
@@ -102,6 +124,11 @@ def test_int8_anchors_are_close_and_smaller(anchored):
     sid = bf.sample_ids[0]
     stats = cosine_stats(bf.sample(sid, [0, 31, 63]), i8.sample(sid, [0, 31, 63]))
     assert stats["mean_cos"] > 0.999
+    # against the captured states: each value within half an int8 step of its token-layer's absmax
+    rows, want = captured
+    got = torch.cat([i8.sample(r["sample_id"], [0, 31, 63]) for r in rows])
+    step = want.abs().amax(-1, keepdim=True) / 127  # (T, L, 1): the int8 step is at most this
+    assert got.shape == want.shape and bool(((got - want).abs() <= 0.5 * step + 1e-3 * step + 1e-6).all())
     assert st.manifest(ref8)["bytes"] < st.manifest(refs["anchors"])["bytes"]
 
 

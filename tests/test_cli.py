@@ -70,6 +70,24 @@ def test_run_reuse_invalidate_verify_rebuild(tmp_path, capsys, caplog):
     shown = json.loads(capsys.readouterr().out)
     assert shown["lineage"]["upstream"][0].startswith("teacher/") and shown["sample"][0]["sample_id"]
 
+    # A truncated manifest and a deleted marker: verify names the manifest (exit 1), ls lists the
+    # artifact as damaged, and run rebuilds what nothing vouches for any more (the unmarked shard)
+    # and recommits; verify is clean again.
+    manifest = art / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    (art / "_markers" / "part-00000.json").unlink()
+    capsys.readouterr()
+    assert main(["verify", key, "--store", store]) == 1
+    out = capsys.readouterr().out
+    assert f"{key}/manifest.json: damaged" in out and "part-00000.json: marker missing" not in out
+    assert main(["ls", "--store", store]) == 0
+    assert "damaged" in capsys.readouterr().out
+    before = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
+    assert main(["run", TINY, "--until", "prompts", "--store", store]) == 0
+    assert main(["verify", "--store", store]) == 0
+    now = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
+    assert [name for name in sorted(now) if now[name] != before[name]] == ["part-00000.parquet"]
+
 
 def test_typo_fails_before_any_work(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
@@ -81,7 +99,28 @@ def test_typo_fails_before_any_work(tmp_path, capsys):
     assert not store.exists()
 
 
-@pytest.mark.parametrize("args", [["show", "zzzz"], ["verify", "zzzz"]])
+@pytest.mark.parametrize("args", [["show", "abcd"], ["verify", "abcd"]])
 def test_unknown_key_is_a_clear_error(tmp_path, capsys, args):
     assert main([*args, "--store", str(tmp_path)]) == 2
-    assert "no artifact with key 'zzzz'" in capsys.readouterr().err
+    assert "no artifact with key 'abcd'" in capsys.readouterr().err
+
+
+def test_layers_the_teacher_does_not_have_fail_before_any_work(tmp_path, capsys):
+    store = tmp_path / "s"
+    assert main(["run", TINY, "--store", str(store), "--set", "anchors.layers=[0, 999]"]) == 2
+    assert "anchors.layers=[0, 999] does not fit the teacher's 64 decoder layers" in capsys.readouterr().err
+    assert not store.exists()  # not even the teacher was built
+
+
+def test_a_folder_is_not_taken_for_an_artifact_or_a_store(tmp_path, capsys):
+    artifact = tmp_path / "s" / "prompts" / "0123456789abcdef"
+    (artifact / "_markers").mkdir(parents=True)
+    (artifact / "_plan.json").write_text("{}")
+    root = str(tmp_path / "s")
+    for args in (["show", "./prompts"], ["verify", "prompts"], ["show", "../s/prompts/0123"]):
+        assert main([*args, "--store", root]) == 2
+        assert "is not an artifact key" in capsys.readouterr().err
+    assert main(["ls", "--store", str(tmp_path / "s" / "prompts")]) == 2
+    assert "is the prompts stage folder of a store, not a store root: use --store" in capsys.readouterr().err
+    assert main(["verify", "--store", str(artifact)]) == 2
+    assert "is an artifact folder, not a store root" in capsys.readouterr().err

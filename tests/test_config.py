@@ -47,3 +47,12 @@ def test_run_options_are_frozen_and_json_schema_has_descriptions():
     schema = PipelineConfig.model_json_schema()
     run = schema["$defs"]["RunOptions"]["properties"]["batch_size"]
     assert run["minimum"] == 1 and "description" in run
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("teacher:\n  layers: 2\nprompts:\n  files: [a.jsonl, b.jsonl\nrun:\n  workers: 1\n")
+    with pytest.raises(
+        ConfigError, match=r"config file .*broken\.yaml is not valid YAML at line \d+, column \d+"
+    ):
+        load_config(bad)

@@ -31,6 +31,7 @@ from prefect.utilities.templating import apply_values
 from a2d.deployments.serve import GPU_FLOWS, NO_SERVER, Served, build_deployments, planned_refs, registry
 from a2d.flows.cli import main
 from a2d.flows.pipeline import STEPS
+from a2d.specs import TeacherSpec
 from a2d.tasks.concurrency import ensure_limit, gpu_slot, limit_exists
 from tests.conftest import ROOT, tiny_config
 
@@ -44,11 +45,27 @@ def _served(name: str) -> Served:
 
 
 # -- the registry ------------------------------------------------------------------------------------
-def test_registry_serves_every_stage_then_pipeline_and_regenerate():
+def test_registry_serves_every_flow_in_the_package():
+    """Checked against the DAG written out here and against every flow defined under a2d.flows
+    (found by importing each module), not against the lists the registry is built from."""
+    import pkgutil
+
+    import a2d.flows
+
     names = [s.name for s in registry()]
-    assert names == [*STEPS, "pipeline", "regenerate-data"]
+    assert names == [
+        "teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval",
+        "pipeline", "regenerate-data",
+    ]  # fmt: skip
+    defined = set()
+    for info in pkgutil.iter_modules(a2d.flows.__path__):
+        module = importlib.import_module(f"a2d.flows.{info.name}")
+        defined |= {
+            (obj.fn.__module__, obj.fn.__name__) for obj in vars(module).values() if isinstance(obj, Flow)
+        }
+    assert {(s.module, s.attr) for s in registry()} == defined
     for served in registry():
-        assert isinstance(served.load(), Flow)
+        assert isinstance(served.load(), Flow) and served.load().name == served.name
 
 
 def _stage_tasks(served: Served) -> list[Task]:
@@ -397,3 +414,101 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         with pytest.raises(PrefectHTTPStatusError, match="batch_size"):
             client.create_flow_run_from_deployment(deployment.id, parameters=bad)
         assert len(client.read_flow_runs(deployment_filter=only_this)) == runs_before == 2
+
+        # A valid value the serve policy does not allow (another store root) is refused by the run
+        # itself before any work: nothing is written there (the other rules: the unit tests below).
+        foreign = tmp_path / "foreign"
+        outside = {**params, "config": {**params["config"], "store": str(foreign)}}
+        flow_run = run_deployment("pipeline/e2e", parameters=outside, timeout=300, poll_interval=1)
+        assert flow_run.state.is_failed() and "not an allowed store root" in flow_run.state.message
+        assert not foreign.exists()
+
+
+# -- the serve policy: what runs from served deployments may do ------------------------------------------
+def test_the_serve_policy_allows_the_served_config_and_refuses_the_rest(tmp_path):
+    from a2d.flows.policy import policy_for, violations, with_flags
+    from a2d.specs import PromptSpec, RunOptions
+    from a2d.stores.artifacts import ArtifactRef
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.jsonl").write_text("{}\n")
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text("{}\n")
+    (data / "link.jsonl").symlink_to(secret)  # inside the folder by name, outside by content
+    served = tiny_config(
+        str(tmp_path / "store"), "prompts.source=files", f"prompts.files=[{data / 'ok.jsonl'}]"
+    )
+    policy = policy_for(served, with_flags(None, data_paths=[str(data)]))
+    assert violations(policy, served.store, served.teacher, served.prompts, served.run) == []
+    assert violations(policy, store=str(tmp_path / "store" / "sub")) == []  # inside the root
+
+    def one(**parts) -> str:
+        (problem,) = violations(policy, **parts)
+        return problem
+
+    assert "--allow-store" in one(store=str(tmp_path / "elsewhere"))
+    assert "--allow-store" in one(store="s3://someone-elses-bucket/x")
+    assert "--allow-remote-code" in one(teacher=served.teacher.model_copy(update={"trust_remote_code": True}))
+    assert "teacher.path" in one(teacher=TeacherSpec(source="local", path=str(tmp_path)))
+    for f in (secret, data / "link.jsonl", data / ".." / "secret.jsonl"):
+        assert "--allow-data" in one(prompts=PromptSpec(source="files", files=(str(f),)))
+    assert "--allow-dask" in one(run=RunOptions(runner="dask", dask_address="tcp://10.0.0.9:8786"))
+    assert violations(policy, run=RunOptions(runner="dask")) == []  # a local cluster
+    big = TeacherSpec(architecture="qwen3_5", layers=256, hidden=16384)
+    assert "745,233,863,680 parameters, above the limit of 1,000,000,000" in one(teacher=big)
+    assert "names no artifact" in one(refs=(ArtifactRef(stage="teacher", key="../../etc", uri="x"),))
+
+    wider = policy_for(
+        served,
+        with_flags(
+            None,
+            store_roots=["s3://team/a2d"],
+            dask_addresses=["tcp://10.0.0.9:8786"],
+            allow_remote_code=True,
+            max_random_teacher_params=10**12,
+        ),
+    )
+    assert (
+        violations(
+            wider, store="s3://team/a2d/run-2", teacher=big.model_copy(update={"trust_remote_code": True})
+        )
+        == []
+    )
+    assert violations(wider, run=RunOptions(runner="dask", dask_address="tcp://10.0.0.9:8786")) == []
+
+
+def test_a_served_run_outside_the_policy_fails_before_any_work(tmp_path, monkeypatch):
+    from a2d.flows.pipeline import pipeline
+    from a2d.flows.policy import POLICY_ENV, PolicyError, policy_for
+    from a2d.flows.prompts import prompts_flow
+    from a2d.specs import PromptSpec
+    from a2d.stores.artifacts import ArtifactRef
+
+    served = tiny_config(str(tmp_path / "store"))
+    monkeypatch.setenv(POLICY_ENV, policy_for(served).model_dump_json())  # as `a2d serve` exports it
+    foreign = tmp_path / "foreign"
+    with pytest.raises(PolicyError, match="not an allowed store root"):
+        pipeline(served.model_copy(update={"store": str(foreign)}), until="prompts")
+    assert not foreign.exists()
+    teacher = ArtifactRef(stage="teacher", key="0" * 16, uri="file:///x")
+    with pytest.raises(PolicyError, match="prompts.files entry .*secret.jsonl"):
+        prompts_flow(
+            teacher, PromptSpec(source="files", files=(str(tmp_path / "secret.jsonl"),)), store=served.store
+        )
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_policy_file_and_flags_combine_and_a_typo_is_named(tmp_path):
+    from a2d.deployments.serve import load_policy
+    from a2d.flows.policy import with_flags
+    from a2d.specs import ConfigError
+
+    f = tmp_path / "policy.yaml"
+    f.write_text("store_roots: [s3://team/a2d]\nallow_remote_code: true\n")
+    policy = with_flags(load_policy(str(f)), data_paths=["/data"], max_random_teacher_params=5)
+    assert policy.store_roots == ("s3://team/a2d",) and policy.allow_remote_code
+    assert policy.data_paths == ("/data",) and policy.max_random_teacher_params == 5
+    f.write_text("store_root: [s3://team/a2d]\n")
+    with pytest.raises(ConfigError, match="store_root"):
+        load_policy(str(f))

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a2d.flows.pipeline import pipeline
+from a2d.flows.pipeline import STEPS, pipeline
+from a2d.flows.pipeline import plan as pipeline_plan
 from a2d.models.sampler import threshold_decode
 from a2d.models.student import BidirectionalScan, build_student, lm_head, student_forward
 from a2d.models.teacher import build_random_teacher
@@ -256,22 +257,44 @@ def test_foreign_anchors_are_refused(data, tmp_path):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from a2d.stores import checkpoints
-    original = checkpoints.prune
-    def prune(root, keep):
-        original(root, keep)
-        if checkpoints.latest(root).name == "step-00000003":
+    import a2d.tasks.train_head as th
+    original = th.train_step
+    def train_step(run, step):
+        if step == 3:  # steps 1-3 done, the checkpoint is of step 2: die inside step 4
             os.kill(os.getpid(), signal.SIGKILL)
-    checkpoints.prune = prune
-    from a2d.tasks.train_head import main
-    sys.exit(main(sys.argv[1:]))
+        return original(run, step)
+    th.train_step = train_step
+    sys.exit(th.main(sys.argv[1:]))
     """
 )
 
+HYBRID = [
+    "teacher.layers=4",  # qwen3_5: 3 Gated DeltaNet + 1 full attention layer
+    "prompts.bundled_rows=16",
+    "prompts.rows_per_shard=8",
+    "prompts.max_prompt_tokens=64",
+    "responses.max_new_tokens=8",
+    "anchors.layers=[1, 3]",
+    "head.steps=4",
+    "head.micro_batch_size=2",
+    "head.complementary=false",
+    "head.lr=0.003",
+    "head.warmup_steps=1",  # the cosine schedule's state matters
+    "head.lr_schedule=cosine",
+    "head.lora_dropout=0.1",  # dropout draws from the RNG: its restored state matters
+    "head.align_layers=2",
+    "train.checkpoint_every=2",
+]
+
 
 @pytest.mark.slow
-def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
-    store, cfg, refs = data
+def test_sigkill_mid_step_then_resume_is_exact(tmp_path_factory, tmp_path):
+    """A trainer killed inside step 4 (its last checkpoint is step 2) and resumed ends with the same
+    adapter, mask embedding and reverse-scan gates as an uninterrupted run: cosine schedule with
+    warmup, LoRA dropout, and a hybrid teacher whose reverse scans are trained."""
+    store = str(tmp_path_factory.mktemp("hybrid"))
+    cfg = tiny_config(store, *HYBRID)
+    refs = pipeline(cfg, until="trajectories")
     env = {**os.environ, "PYTHONPATH": ROOT}
     killed = _job(store, cfg, refs, workdir_=tmp_path / "killed")
     (tmp_path / "killed").mkdir()
@@ -280,7 +303,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
         [sys.executable, "-c", KILLER, str(tmp_path / "killed" / "job.json")], env=env, cwd=ROOT, timeout=600
     )
     assert proc.returncode == -signal.SIGKILL
-    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000003"]
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000002"]
     resumed = subprocess.run(
         [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "killed" / "job.json")],
         env=env,
@@ -289,37 +312,33 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(data, tmp_path):
         capture_output=True,
         text=True,
     )
-    assert resumed.returncode == 0 and '"step": 3' in resumed.stdout and "A2D resume" in resumed.stdout
-    clean = _job(store, cfg, refs, workdir_=tmp_path / "clean")
-    (tmp_path / "clean").mkdir()
-    (tmp_path / "clean" / "job.json").write_text(clean.model_dump_json())
-    subprocess.run(
-        [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "clean" / "job.json")],
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-        check=True,
-        capture_output=True,
-    )
-    a = load_file(
-        tmp_path / "killed" / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"
-    )
-    b = load_file(
-        tmp_path / "clean" / "checkpoints" / "step-00000006" / "adapter" / "adapter_model.safetensors"
-    )
+    assert resumed.returncode == 0 and '"step": 2' in resumed.stdout and "A2D resume" in resumed.stdout
+    train(_job(store, cfg, refs, workdir_=tmp_path / "clean"))  # uninterrupted, in this process
+    final = "checkpoints/step-00000004"
+    a = load_file(tmp_path / "killed" / final / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "clean" / final / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
-    ea = load_file(tmp_path / "killed" / "checkpoints" / "step-00000006" / "extras.safetensors")
-    eb = load_file(tmp_path / "clean" / "checkpoints" / "step-00000006" / "extras.safetensors")
-    torch.testing.assert_close(ea["mask_embedding"], eb["mask_embedding"], atol=1e-6, rtol=0)
+    ea = load_file(tmp_path / "killed" / final / "extras.safetensors")
+    eb = load_file(tmp_path / "clean" / final / "extras.safetensors")
+    gates = [k for k in ea if k.startswith("scan_gate")]
+    assert ea.keys() == eb.keys() and len(gates) == 3 and any(ea[k].abs().max() > 0 for k in gates)
+    for k in ea:  # mask embedding and the three reverse-scan gates
+        torch.testing.assert_close(ea[k], eb[k], atol=1e-6, rtol=0)
 
 
-def test_mixed_precision_resolution_and_autocast():
+def test_mixed_precision_resolution_and_autocast(monkeypatch):
+    """`auto` is bf16 exactly on a GPU that supports it; forced modes are taken as given."""
     from a2d.models.teacher import autocast, resolve_precision
 
-    cpu = torch.device("cpu")
-    assert resolve_precision("auto", cpu) == "no" and resolve_precision("bf16", cpu) == "bf16"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cpu) == "no"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", cuda) == "bf16" and resolve_precision("auto", cpu) == "no"
+    assert resolve_precision("no", cuda) == "no"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", cuda) == "no" and resolve_precision("bf16", cpu) == "bf16"
     layer = torch.nn.Linear(4, 4)
     with autocast(cpu, "bf16"):
         assert layer(torch.ones(1, 4)).dtype == torch.bfloat16
@@ -327,9 +346,10 @@ def test_mixed_precision_resolution_and_autocast():
         assert layer(torch.ones(1, 4)).dtype == torch.float32
 
 
-def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
-    """train.mixed_precision=bf16 runs the forwards under autocast (also on CPU when forced), and a
-    W&B project with WANDB_MODE=offline writes a local run holding the step metrics."""
+def test_bf16_autocast_and_offline_wandb_run_resumed_under_one_id(data, tmp_path, monkeypatch):
+    """train.mixed_precision=bf16 runs the forwards under autocast (also on CPU when forced); a W&B
+    project with WANDB_MODE=offline writes a local run holding the step metrics as soon as training
+    returns, and a resumed training continues the same run id with the steps after the checkpoint."""
     store, cfg, refs = data
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -339,62 +359,122 @@ def test_bf16_autocast_and_offline_wandb_run(data, tmp_path, monkeypatch):
             "train": cfg.train.model_copy(update={"mixed_precision": "bf16", "wandb_project": "a2d-test"})
         }
     )
-    out = train(job)
-    assert out["precision"] == "bf16" and all(math.isfinite(h["loss"]) for h in out["history"])
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    first = train(job.model_copy(update={"stop_after": 1}))
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and runs[0].name.endswith(f"head-{job.head.key}")
-    # the run's record log (protobuf) carries the logged keys and values as JSON text
+    # the run's record log (protobuf) carries the logged keys and values as JSON text, flushed by now
     record = next(runs[0].glob("run-*.wandb")).read_bytes()
-    assert b"lambda" in record
-    assert json.dumps(out["history"][-1]["loss"]).encode() in record
+    assert b"lambda" in record and json.dumps(first["history"][-1]["loss"]).encode() in record
+
+    out = train(job)  # resumes from the step-1 checkpoint
+    assert out["precision"] == "bf16" and all(math.isfinite(h["loss"]) for h in out["history"])
+    assert [h["step"] for h in out["history"]] == [2]
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"head-{job.head.key}") for r in runs)  # one run id
+    resumed = next(runs[1].glob("run-*.wandb")).read_bytes()
+    assert json.dumps(out["history"][-1]["loss"]).encode() in resumed
+    assert json.dumps(first["history"][-1]["loss"]).encode() not in resumed  # only the new steps
 
 
-TERMINATED = """
-import logging, sys
-from pathlib import Path
-from a2d.tasks.head import run_training
-from a2d.tasks.train_head import TrainJob
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)
-run_training(TrainJob.model_validate_json(Path(sys.argv[1]).read_text()))
+FLOW_RUN = """
+import sys
+from a2d.flows.pipeline import STEPS, plan
+from a2d.specs import load_config
+config = load_config(sys.argv[1])
+refs = plan(config, sys.argv[2])  # the upstream artifacts exist: run the stage's own flow
+STEPS[sys.argv[2]].run(config, refs)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_sigterm_to_the_task_saves_the_current_step_and_stops(data, tmp_path, processes):
-    """SIGTERM (pod eviction, cancellation) reaches the task process; it is forwarded to the trainer
-    (through accelerate/torchrun to every rank), which checkpoints the step it is on and exits; the
-    task then fails with a resumable error."""
-    from a2d.stores import checkpoints
+def trainers(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line names `marker`: a trainer and its ranks."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(d))
+    return found
 
-    store, cfg, refs = data
-    spec = cfg.head.model_copy(update={"steps": 1000})  # far more than can run before the signal lands
-    job = _job(store, cfg, refs, spec, workdir_=tmp_path / "w").model_copy(
-        update={"train": cfg.train.model_copy(update={"log_every": 1, "num_processes": processes})}
-    )
-    (tmp_path / "job.json").write_text(job.model_dump_json())
+
+def sigterm_flow_run(cfg, stage: str, tmp_path, ready: str, trainer: str | None = None) -> str:
+    """Run the flow of `stage` in a child process (the flow on its main thread, the stage's task on a
+    worker thread, as in a served run), SIGTERM it once a log line contains `ready`, and return its
+    stderr. Fails unless the child exits by itself with 1 and no process naming `trainer` outlives it."""
+    from prefect.settings import PREFECT_API_URL
+
+    (tmp_path / "config.yaml").write_text(json.dumps(cfg.model_dump(mode="json")))
+    env = {**os.environ, "PYTHONPATH": ROOT, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    env["PREFECT_LOGGING_LEVEL"] = "INFO"  # the run's log lines are what the test watches
     proc = subprocess.Popen(
-        [sys.executable, "-c", TERMINATED, str(tmp_path / "job.json")],
-        env={**os.environ, "PYTHONPATH": ROOT},
+        [sys.executable, "-c", FLOW_RUN, str(tmp_path / "config.yaml"), stage],
+        env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     assert proc.stderr is not None
-    for line in proc.stderr:
-        if "train progress" in line:  # step 1 is done; the trainer is inside step 2
-            proc.send_signal(signal.SIGTERM)
-            break
-    err = proc.communicate(timeout=600)[1]
-    assert proc.returncode == 1, err[-2000:]
-    assert "train stopped" in err and "Stopped: head training stopped by SIGTERM at step" in err
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if ready in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines.append(proc.communicate(timeout=600)[1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        orphans = trainers(trainer) if trainer else []
+        for pid in orphans:  # never leave them running, whatever the outcome
+            os.kill(pid, signal.SIGKILL)
+    err = "".join(lines)
+    assert proc.returncode == 1, f"exit {proc.returncode}:\n{err[-3000:]}"
+    assert not orphans, f"trainer processes {orphans} outlived the flow run"
+    return err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_to_a_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(data, tmp_path, processes):
+    """SIGTERM to the process of a real flow run (pod eviction, Prefect cancellation): the flow's main
+    thread forwards it to the trainer that the head task (on a worker thread) launched; the trainer
+    (through accelerate to every rank) checkpoints the step it is on and exits; the run fails with a
+    "rerun to resume" error; no trainer is left behind; a rerun resumes from that checkpoint."""
+    from a2d.stores import checkpoints
+
+    store, cfg, refs = data
+    cfg = cfg.model_copy(
+        update={
+            "head": cfg.head.model_copy(update={"steps": 16, "seed": processes}),  # a key per case
+            "train": cfg.train.model_copy(
+                update={"log_every": 1, "checkpoint_every": 100, "num_processes": processes}
+            ),
+        }
+    )
+    head = pipeline_plan(cfg)["head"]
+    err = sigterm_flow_run(cfg, "head", tmp_path, "train progress", trainer=f"{head.key}/job.json")
+    assert "rerun the head stage to resume" in err, err[-3000:]
     step = int(re.search(r"stopped by SIGTERM at step (\d+)", err).group(1))
-    assert 1 <= step < 100
-    # the checkpoint of the step it stopped on, whether or not on the checkpoint_every=3 grid
-    last = checkpoints.latest(tmp_path / "w" / "checkpoints")
-    assert last.name == f"step-{step:08d}"
+    assert 1 <= step < 16  # ~0.1-0.3 s a step: the signal lands many steps before the end
+    work = ArtifactStore(store).loc(head).local_path()
+    last = checkpoints.latest(work / "checkpoints")
+    assert last is not None and last.name == f"step-{step:08d}"  # the step it was on, off the every-100 grid
     assert json.loads((last / checkpoints.STATE).read_text())["world"] == processes
+    assert not ArtifactStore(store).is_complete(head)
+    if processes == 1:  # a 2-process resume is checked for exactness in test_scale
+        resumed = STEPS["head"].run(cfg, refs)
+        history = ArtifactStore(store).manifest(resumed)["shards"]["adapter"]["history"]
+        assert resumed == head and history[0]["step"] == step + 1 and history[-1]["step"] == 16
 
 
 def test_head_stage_publishes_a_loadable_adapter_and_decodes(data, tmp_path, monkeypatch, capsys):
@@ -427,9 +507,21 @@ def test_head_stage_publishes_a_loadable_adapter_and_decodes(data, tmp_path, mon
     assert spec["lora_modules"] == 14 and spec["block_size"] == cfg.head.block_size
     student, dspec = load_student(st, refs["head"])
     assert isinstance(student.model, PeftModel)
-    # the mask embedding was trained (it starts at the mean input embedding) and travels with the adapter
-    start = student.inner.get_input_embeddings().weight.float().mean(0)
-    assert (student.mask.weight.detach() - start).abs().max() > 1e-4
+    # The published mask embedding is the trained one of the final checkpoint (castlehill's bug 3:
+    # it was never trained), and the loaded student carries it.
+    adapter = st.loc(refs["head"]).local_path() / "adapter"
+    final = load_file(
+        st.loc(refs["head"]).local_path() / "checkpoints" / "step-00000006" / "extras.safetensors"
+    )
+    published = load_file(adapter / "extras.safetensors")["mask_embedding"]
+    torch.testing.assert_close(published, final["mask_embedding"], atol=0, rtol=0)
+    torch.testing.assert_close(student.mask.weight.detach(), published, atol=0, rtol=0)
+    from a2d.tasks.teacher import local_dir
+
+    untrained = build_student(
+        local_dir(st, refs["teacher"]), "none", "float32", "cpu", LORA, "block", "bidirectional", 4
+    )
+    assert (published - untrained.mask.weight.detach()).abs().max() > 1e-4
     out = threshold_decode(student, [258, 104, 105, 257, 10], 12, 0.9, [257])
     assert 1 <= len(out.tokens) <= 12 and 1 <= out.forwards <= len(out.tokens)
     assert max(out.commit_step) == out.forwards and min(out.commit_step) >= 1
@@ -456,3 +548,28 @@ def test_diffusion_decode_trajectories_from_a_trained_head(data):
         blocks = [steps[i : i + spec.block_size] for i in range(0, len(steps), spec.block_size)]
         assert all(a.max() < b.min() for a, b in zip(blocks, blocks[1:], strict=False))
     assert ArtifactStore(store).manifest(ref)["spec"]["head_key"] == refs["head"].key
+
+
+def test_the_student_is_built_with_the_teachers_trust_remote_code(data, tmp_path, monkeypatch):
+    """teacher.trust_remote_code reaches the student's from_pretrained (it was dropped there)."""
+    import a2d.models.teacher as teacher_module
+    from a2d.tasks.train_head import setup
+
+    store, cfg, refs = data
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_teacher(path, dtype="float32", quantization="none", device="auto", trust_remote_code=False):
+        seen.append(trust_remote_code)
+        raise Loaded
+
+    monkeypatch.setattr(teacher_module, "load_teacher", load_teacher)
+    for trust in (False, True):
+        job = _job(store, cfg, refs, workdir_=tmp_path).model_copy(
+            update={"teacher_spec": cfg.teacher.model_copy(update={"trust_remote_code": trust})}
+        )
+        with pytest.raises(Loaded):
+            setup(job)
+    assert seen == [False, True]

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from safetensors.torch import load, load_file
 
 from a2d.flows.cli import main
 from a2d.flows.pipeline import pipeline
+from a2d.stores import checkpoints
 from a2d.stores.artifacts import ArtifactStore
 from tests.conftest import ROOT, tiny_config
 
@@ -153,16 +155,37 @@ def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
 
 @pytest.mark.slow
 def test_dask_fan_out_matches_threads(tmp_path):
+    """The same shards from a Dask cluster of worker processes as from threads; the cluster's task
+    stream shows the shard tasks ran there (on its workers, not in this process)."""
+    from distributed import Client, LocalCluster, get_task_stream
     from prefect.settings import PREFECT_API_URL
 
     os.environ["PREFECT_API_URL"] = PREFECT_API_URL.value()  # Dask worker processes report to the harness
     try:
         threads = pipeline(tiny_config(str(tmp_path / "threads"), *LLAMA), until="anchors")
-        dask = pipeline(
-            tiny_config(str(tmp_path / "dask"), *LLAMA, "run.runner=dask", "run.workers=2"), until="anchors"
-        )
+        with (
+            LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+            ) as cluster,
+            Client(cluster) as client,
+            get_task_stream(client) as stream,
+        ):
+            config = tiny_config(
+                str(tmp_path / "dask"),
+                *LLAMA,
+                "run.runner=dask",
+                "run.workers=2",
+                f"run.dask_address={cluster.scheduler_address}",
+            )
+            dask = pipeline(config, until="anchors")
+            worker_pids = set(client.run(os.getpid).values())
+            workers = set(cluster.scheduler.workers)
     finally:
         os.environ.pop("PREFECT_API_URL", None)
+    ran = [t for t in stream.data if "_shard-" in str(t["key"])]
+    kinds = Counter(str(t["key"]).split("-", 1)[0] for t in ran)
+    assert kinds == {"prompts_shard": 3, "responses_shard": 3, "anchors_shard": 3}, kinds
+    assert {t["worker"] for t in ran} <= workers and os.getpid() not in worker_pids
     assert dask == {
         k: v.model_copy(update={"uri": v.uri.replace("/threads/", "/dask/")}) for k, v in threads.items()
     }
@@ -173,18 +196,21 @@ def test_dask_fan_out_matches_threads(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
+def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_process(tmp_path):
     from a2d.tasks.head import launch_command, run_training
     from tests.test_head import _job
 
     store = str(tmp_path / "store")
     # SGD, not AdamW: Adam's first steps are ~lr·sign(g), so float noise in near-zero gradients (other
     # summation orders across processes) flips whole updates; SGD shows the gradients really agree.
+    # No clipping (the pre-clip norms here are ~3-5): clipped to the same norm, a gradient summed over
+    # ranks instead of averaged would give the same update and pass.
     cfg = tiny_config(
         store,
         *LLAMA,
         "head.optimizer=sgd",
-        "head.lr=0.5",
+        "head.lr=0.05",
+        "head.max_grad_norm=1000000",
         "head.steps=2",
         "head.micro_batch_size=2",
         "head.align_layers=1",
@@ -200,17 +226,25 @@ def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
         "--num_processes",
     ]
     run_training(one)
-    run_training(two)
-    a = load_file(
-        tmp_path / "one" / "checkpoints" / "step-00000002" / "adapter" / "adapter_model.safetensors"
-    )
-    b = load_file(
-        tmp_path / "two" / "checkpoints" / "step-00000002" / "adapter" / "adapter_model.safetensors"
-    )
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
-    assert any(v.abs().max() > 1e-3 for k, v in a.items() if "lora_B" in k)  # training did move the weights
+    # the 2-process run is stopped after step 1 (its checkpoint), then resumed by 2 processes
+    run_training(two.model_copy(update={"stop_after": 1}))
+    assert checkpoints.latest(tmp_path / "two" / "checkpoints").name == "step-00000001"
+    resumed = run_training(two)
+    assert [h["step"] for h in resumed["history"]] == [2]
+
+    def final(run: str) -> dict:
+        ckpt = tmp_path / run / "checkpoints" / "step-00000002"
+        return {
+            **load_file(ckpt / "adapter" / "adapter_model.safetensors"),
+            **load_file(ckpt / "extras.safetensors"),
+        }
+
+    a, b = final("one"), final("two")
+    assert a.keys() == b.keys() and "mask_embedding" in a
+    for k in a:  # LoRA weights and the mask embedding: 2 resumed processes = 1 uninterrupted process
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
+    assert any(v.abs().max() > 1e-4 for k, v in a.items() if "lora_B" in k)  # training did move the weights
+    assert (a["mask_embedding"] - _initial_mask(store, refs)).abs().max() > 1e-5
     assert (
         json.loads((tmp_path / "two" / "checkpoints" / "step-00000002" / "state.json").read_text())["world"]
         == 2
@@ -226,3 +260,22 @@ def test_two_gloo_processes_agree_with_one_and_load_single_process(tmp_path):
         base, str(tmp_path / "two" / "checkpoints" / "step-00000002" / "adapter")
     )
     assert sum(1 for _, m in model.named_modules() if hasattr(m, "lora_A")) == 14
+
+
+def _initial_mask(store: str, refs: dict) -> torch.Tensor:
+    """The untrained student's mask embedding (the mean of the teacher's embeddings)."""
+    from a2d.models.student import build_student
+    from a2d.tasks.teacher import local_dir
+
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "rslora": False}
+    student = build_student(
+        local_dir(ArtifactStore(store), refs["teacher"]),
+        "none",
+        "float32",
+        "cpu",
+        lora,
+        "bidirectional",
+        "causal",
+        32,
+    )
+    return student.mask.weight.detach()

@@ -79,3 +79,47 @@ def test_anchors_from_other_responses_are_refused(built, tmp_path):
         trajectories_shard.fn(
             store, refs["trajectories"], "part-00000", cfg.trajectories, other, refs["anchors"]
         )
+
+
+def test_damaged_inputs_read_unverified_are_named_not_decoded(built, tmp_path):
+    """With run.verify_reuse=false nothing re-hashes reused inputs: a deleted zarr chunk (which zarr
+    would read as zeros), a corrupted zstd chunk and a truncated Parquet shard are each named by the
+    consumer, and damaged anchors are demoted so the next run rebuilds exactly that shard."""
+    import shutil
+
+    from a2d.flows.pipeline import STEPS, plan
+    from a2d.stores.artifacts import DamagedArtifactError
+
+    store, cfg, refs = built
+    copy = str(tmp_path / "store")
+    shutil.copytree(store, copy)
+    cfg = cfg.model_copy(
+        update={
+            "store": copy,
+            "run": cfg.run.model_copy(update={"verify_reuse": False}),
+            "trajectories": cfg.trajectories.model_copy(update={"steps_per_block": 2}),  # a new key
+        }
+    )
+    st = ArtifactStore(copy)
+    refs = plan(cfg, "trajectories")
+    anchors = st.loc(refs["anchors"])
+    chunks = sorted(r for r in anchors.files() if r.startswith("part-00001.zarr/hidden/c/"))
+    anchors.remove(chunks[0])
+    with pytest.raises(DamagedArtifactError, match="part-00001.zarr/hidden/c/[0-9/]+: missing"):
+        STEPS["trajectories"].run(cfg, refs)
+    assert anchors.read_json("_damaged.json")["shards"] == ["part-00001"]  # the next anchors run rebuilds it
+    before = {s: st.marker(refs["anchors"], s) for s in ("part-00000", "part-00002")}
+    assert STEPS["anchors"].run(cfg, refs) == refs["anchors"] and st.verify(refs["anchors"]) == []
+    assert {s: st.marker(refs["anchors"], s) for s in before} == before
+
+    chunk = next(r for r in anchors.files() if r.startswith("part-00002.zarr/confidence/c/"))
+    data = bytearray(anchors.read_bytes(chunk))
+    data[len(data) // 2 :] = bytes(len(data) - len(data) // 2)  # zero the zstd frame's tail
+    anchors.write_bytes(chunk, bytes(data))
+    with pytest.raises(DamagedArtifactError, match=f"{chunk}: sha256 mismatch"):
+        STEPS["trajectories"].run(cfg, refs)
+
+    responses = st.loc(refs["responses"])  # the anchors shard to rebuild reads this one
+    responses.write_bytes("part-00002.parquet", responses.read_bytes("part-00002.parquet")[:200])
+    with pytest.raises(ValueError, match="part-00002.parquet is not readable Parquet"):
+        STEPS["anchors"].run(cfg, refs)
