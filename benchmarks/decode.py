@@ -5,7 +5,7 @@
 Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`). On the
 held-out prompts it times, interleaved prompt by prompt so machine load hits every sampler alike:
 AR greedy (the teacher, KV cache), transformers' prompt-lookup decoding, lossless self-speculative
-decoding with the head, and threshold decoding with and without the exact prefix cache. Writes
+decoding with the head (alone, and with n-gram lookup drafts where the context repeats), and threshold decoding with and without the exact prefix cache. Writes
 benchmarks/results/decode.json with ratios (speed-ups are tokens/s ratios measured in this run).
 """
 
@@ -86,6 +86,9 @@ def main() -> None:
         "ar:student-base": base_generate,
         "ar:prompt-lookup": lambda p: base_generate(p, lookup=10),
         "spec:head": lambda p: (lambda d: (d.tokens, d.forwards))(speculative_decode(student, p, n, eos)),
+        "spec:head+lookup": lambda p: (lambda d: (d.tokens, d.forwards))(
+            speculative_decode(student, p, n, eos, lookup=3)
+        ),
         "threshold:cached": lambda p: (lambda d: (d.tokens, d.forwards))(
             threshold_decode(student, p, n, args.threshold, eos, dspec["logit_alignment"], cached=True)
         ),
@@ -111,7 +114,7 @@ def main() -> None:
     base = stats["ar:student-base"]["outputs"]
     mismatches = {
         name: sum(a != b for a, b in zip(stats[name]["outputs"], base, strict=True))
-        for name in ("spec:head", "ar:prompt-lookup")
+        for name in ("spec:head", "spec:head+lookup", "ar:prompt-lookup")
     }
     ar = stats["ar:greedy"]["tokens_per_s"]
     write_result(
@@ -124,6 +127,8 @@ def main() -> None:
             "threshold": args.threshold,
             "spec_tpf": stats["spec:head"]["tpf"],
             "spec_speedup_vs_ar": round(stats["spec:head"]["tokens_per_s"] / ar, 4),
+            "spec_lookup_tpf": stats["spec:head+lookup"]["tpf"],
+            "spec_lookup_speedup_vs_ar": round(stats["spec:head+lookup"]["tokens_per_s"] / ar, 4),
             "prompt_lookup_speedup_vs_ar": round(stats["ar:prompt-lookup"]["tokens_per_s"] / ar, 4),
             "cached_speedup_vs_uncached": round(
                 stats["threshold:cached"]["tokens_per_s"] / stats["threshold:uncached"]["tokens_per_s"], 4

@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampler",
         choices=["spec", "threshold", "ar"],
         default="spec",
-        help="spec: lossless self-speculative (the base model's own output); threshold: parallel, lossy; "
+        help="spec: lossless self-speculative with head and n-gram lookup drafts (the base model's own output); threshold: parallel, lossy; "
         "ar: the base model one token per forward",
     )
     gen.add_argument("--max-new-tokens", type=int, default=64)

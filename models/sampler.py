@@ -136,6 +136,7 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     drafter: Callable[[list[int]], list[int]] | None = None,
     on_step: OnStep | None = None,
+    lookup: int = 0,
 ) -> Decoded:
     """Lossless self-speculative decoding: the head drafts a block, the base verifies it in the same forward.
 
@@ -144,11 +145,16 @@ def speculative_decode(
     the base's p, so every token is distributed as the base model's (at that temperature).
     `drafter` (greedy only) replaces the mask block: given the response so far it returns the next
     drafts (a VFM's one-step completion, say), and each forward only verifies.
+    `lookup` (greedy only; the longest n-gram tried, 0 = off): where the newest tokens occurred
+    earlier in the prompt or the output, the tokens that followed them there are the drafts instead
+    of the head's (prompt-lookup drafting, in the same verifying forward that also drafts by masks).
     """
     if student.attention != "block" or not student.scope.masked:
         raise ValueError("speculative decoding needs a head with attention: block and adapter_scope: masked")
-    if drafter is not None and temperature > 0:
-        raise ValueError("an external drafter gives no draft distribution: use it with temperature 0")
+    if (drafter is not None or lookup) and temperature > 0:
+        raise ValueError(
+            "an external or lookup drafter gives no draft distribution: use it with temperature 0"
+        )
     mask_id, eos, size = student.info.mask_id, set(eos_ids), student.block_size
     canvas = Canvas(student, prompt, cached=True)
     head = lm_head(student)
@@ -160,6 +166,8 @@ def speculative_decode(
     masks = [] if drafter is not None else [mask_id] * size
     if drafter is not None:
         drafts = list(drafter([]))[:size]
+    elif lookup:
+        drafts = ngram_drafts(prompt, lookup, size)
     while len(out) < max_new_tokens:
         hidden = canvas.forward(drafts, masks)
         n_pending = hidden.shape[0] - len(drafts) - len(masks)
@@ -198,7 +206,20 @@ def speculative_decode(
                 drafts = torch.multinomial(draft_q, 1, generator=generator).flatten().tolist()
         else:  # a draft was rejected: the mask drafts assumed it; the next forward drafts afresh
             drafts, draft_q = [], None
+        if lookup and drafter is None:
+            drafts = ngram_drafts(prompt + out, lookup, size) or drafts
     return Decoded(out, canvas.forwards, steps, accepted)
+
+
+def ngram_drafts(context: list[int], max_ngram: int, count: int) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the context's last n
+    tokens, for the longest n <= max_ngram that occurred; [] where none did."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                return context[start + n : start + n + count]
+    return []
 
 
 def _speculative_accept(

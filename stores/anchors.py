@@ -203,7 +203,7 @@ class AnchorReader:
         g = self._group(w.shard)
         stored = g["positions"][w.start : w.end]
         rows = np.flatnonzero(np.isin(stored, positions))
-        return stored[rows], self._decode(g, w.start + rows, self._layer_pos(layers))
+        return stored[rows], self._decode(w.shard, w.start + rows, self._layer_pos(layers))
 
     def layer_means(self, layers: list[int], samples: int = 64) -> torch.Tensor:
         """Mean stored state per layer over the first `samples` samples: float32 (len(layers), H)."""
@@ -213,7 +213,7 @@ class AnchorReader:
             w = self._index[sid]
             if w.end == w.start:
                 continue
-            h = self._decode(self._group(w.shard), slice(w.start, w.end), pos)  # (n, L, H)
+            h = self._decode(w.shard, slice(w.start, w.end), pos)  # (n, L, H)
             total = h.sum(0) if total is None else total + h.sum(0)
             count += h.shape[0]
         if total is None:

@@ -32,6 +32,7 @@ from a2d.tasks.students import load_flow_map, load_student, load_vfm
 
 STAGE = "eval"
 FORMAT_VERSION = 3  # 3: decode-state samplers, honest forward counts, CIs
+LOOKUP_NGRAM = 3  # spec:head+lookup: the longest n-gram matched in the prompt and output
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documented default)
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # a2d's own lm-eval tasks (a2d_bundled)
 COUNTING_RULES = (
@@ -41,13 +42,18 @@ COUNTING_RULES = (
 SHARD = EVAL_SHARD
 Decoder = Callable[[list[int]], Decoded]  # prompt -> tokens, forwards, (accepted lengths)
 MIN_CORRECT_TO_RANK = 10  # fewer correct answers than this by the best sampler: AUP uses agreement
-LOSSLESS = ("ar:student-base", "ar:prompt-lookup", "spec:head")  # must equal the student's base
+LOSSLESS = (
+    "ar:student-base",
+    "ar:prompt-lookup",
+    "spec:head",
+    "spec:head+lookup",
+)  # must equal the student's base
 
 
 def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
     """Every sampler the eval runs, in report order. The list is part of the eval key, so a sampler
     added here gives a new key without a hand-bumped FORMAT_VERSION."""
-    names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head"]
+    names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
     names += [f"head:conf{t:g}" for t in spec.thresholds]
     names += [f"d3llm:ent{e:g}" for e in spec.entropy_thresholds]
     names.append("head:k1")
@@ -222,6 +228,10 @@ def decoders(
             if student.attention != "block" or not student.scope.masked or not shifted:
                 continue  # recorded as skipped: the head cannot verify in its own forward
             out[name] = lambda prompt: speculative_decode(student, prompt, n, eos)
+        elif name == "spec:head+lookup":
+            if student.attention != "block" or not student.scope.masked or not shifted:
+                continue
+            out[name] = lambda prompt: speculative_decode(student, prompt, n, eos, lookup=LOOKUP_NGRAM)
         elif family == "head":
             out[name] = threshold(student, 0.0 if arg == "k1" else float(arg.removeprefix("conf")))
         elif family == "d3llm":

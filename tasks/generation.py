@@ -84,7 +84,7 @@ def generate(
 
     start = time.perf_counter()
     if sampler == "spec":
-        out = speculative_decode(student, ids, max_new_tokens, eos, on_step=on_step)
+        out = speculative_decode(student, ids, max_new_tokens, eos, on_step=on_step, lookup=3)
     elif sampler == "threshold":
         out = threshold_decode(
             student, ids, max_new_tokens, threshold, eos, dspec["logit_alignment"], on_step=on_step

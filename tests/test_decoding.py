@@ -88,6 +88,17 @@ def test_greedy_speculative_decoding_is_the_base_model(small_teachers, arch):
         out = speculative_decode(student, prompt, 20, EOS)
         assert out.tokens == base_greedy(student, prompt, 20)
         assert sum(out.accepted) == len(out.tokens) and len(out.accepted) == out.forwards
+        looked = speculative_decode(student, prompt, 20, EOS, lookup=3)  # n-gram drafts, same verifier
+        assert looked.tokens == out.tokens and sum(looked.accepted) == len(looked.tokens)
+
+
+def test_ngram_drafts_copy_what_followed_the_latest_longest_match():
+    from a2d.models.sampler import ngram_drafts
+
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_drafts(ctx, 3, 2) == [7, 8]  # [2, 3] last seen before 7 (the 3-gram [5, 2, 3] never was)
+    assert ngram_drafts(ctx + [4], 3, 4) == []  # 4 never occurred before
+    assert ngram_drafts([5, 6, 5], 3, 3) == [6, 5]  # a 1-gram match, drafts run to the context's end
 
 
 def test_good_drafts_are_accepted_a_block_per_forward_and_bad_ones_cost_nothing(small_teachers):

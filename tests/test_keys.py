@@ -58,6 +58,8 @@ CONTEXT = {
     "anchors.outlier_channels": {"anchors": {"dtype": "int8"}},  # int8 only
     "trajectories.head_key": {"trajectories": {"source": "diffusion-decode", "head_key": "0" * 16}},
     "trajectories.threshold": {"trajectories": {"source": "diffusion-decode", "head_key": "0" * 16}},
+    "eval.lm_eval_limit": {"eval": {"lm_eval_tasks": ["a2d_bundled"]}},  # they matter only with tasks
+    "eval.lm_eval_sampler": {"eval": {"lm_eval_tasks": ["a2d_bundled"]}},
 }
 # Fields deliberately in other stages' keys: how a teacher is loaded changes what runs it produce.
 ELSEWHERE = {"teacher.load": ("responses", "anchors")}

@@ -142,6 +142,7 @@ def test_eval_reports_every_sampler(built):
         "ar:student-base",
         "ar:prompt-lookup",
         "spec:head",
+        "spec:head+lookup",
         "head:conf0.9",
         "head:conf0.5",
         "d3llm:ent1",
@@ -152,7 +153,11 @@ def test_eval_reports_every_sampler(built):
     ]
     s = doc["samplers"]
     assert s["ar:greedy"]["token_agreement"] == 1.0  # the eval's AR decode is the responses stage's
-    for lossless in ("spec:head", "ar:prompt-lookup"):  # token for token the student's base model
+    for lossless in (
+        "spec:head",
+        "spec:head+lookup",
+        "ar:prompt-lookup",
+    ):  # token for token the student's base model
         assert s[lossless]["mismatches_vs_student_base"] == 0
         assert s[lossless]["outputs"] == s["ar:student-base"]["outputs"]
     assert s["spec:head"]["mean_accepted"] == pytest.approx(s["spec:head"]["tpf"])  # one forward per round
