@@ -268,7 +268,9 @@ def evaluate(
         raise ValueError("no held-out prompts: raise prompts.eval_fraction so the eval split is not empty")
     student, dspec = load_student(store, refs["head"], device)
     teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
-    teacher, tok = teacher_stage.tm.load_teacher(teacher_dir, device=device)
+    # custom modelling code runs only when the teacher was materialised with it allowed
+    remote = bool(store.manifest(refs["teacher"])["spec"].get("trust_remote_code", False))
+    teacher, tok = teacher_stage.tm.load_teacher(teacher_dir, device=device, trust_remote_code=remote)
     eos = eos_ids(teacher, tok)
 
     def untrained() -> Student:  # same base, attention and scope, a fresh adapter and mask embedding
@@ -282,6 +284,7 @@ def evaluate(
             dspec["linear_attention"] if dspec["linear_attention"] != "n/a" else "causal",
             dspec["block_size"],
             dspec.get("adapter_scope", "all"),
+            trust_remote_code=remote,
         )
 
     vfm = None
