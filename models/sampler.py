@@ -137,6 +137,7 @@ def speculative_decode(
     drafter: Callable[[list[int]], list[int]] | None = None,
     on_step: OnStep | None = None,
     lookup: int = 0,
+    draft_len: int | None = None,
 ) -> Decoded:
     """Lossless self-speculative decoding: the head drafts a block, the base verifies it in the same forward.
 
@@ -148,6 +149,8 @@ def speculative_decode(
     `lookup` (greedy only; the longest n-gram tried, 0 = off): where the newest tokens occurred
     earlier in the prompt or the output, the tokens that followed them there are the drafts instead
     of the head's (prompt-lookup drafting, in the same verifying forward that also drafts by masks).
+    `draft_len` (default the head's block) masks draft per forward: fewer make each forward cheaper
+    where the forward's cost grows with its tokens (a CPU), at the price of shorter drafts.
     """
     if student.attention != "block" or not student.scope.masked:
         raise ValueError("speculative decoding needs a head with attention: block and adapter_scope: masked")
@@ -163,6 +166,7 @@ def speculative_decode(
     accepted: list[int] = []
     drafts: list[int] = []
     draft_q: torch.Tensor | None = None  # (k, V) distributions the drafts were drawn from
+    size = min(draft_len or size, size)
     masks = [] if drafter is not None else [mask_id] * size
     if drafter is not None:
         drafts = list(drafter([]))[:size]

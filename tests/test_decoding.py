@@ -90,6 +90,8 @@ def test_greedy_speculative_decoding_is_the_base_model(small_teachers, arch):
         assert sum(out.accepted) == len(out.tokens) and len(out.accepted) == out.forwards
         looked = speculative_decode(student, prompt, 20, EOS, lookup=3)  # n-gram drafts, same verifier
         assert looked.tokens == out.tokens and sum(looked.accepted) == len(looked.tokens)
+        short = speculative_decode(student, prompt, 20, EOS, draft_len=2)  # 2 masks per forward
+        assert short.tokens == out.tokens and max(short.accepted) <= 3
 
 
 def test_ngram_drafts_copy_what_followed_the_latest_longest_match():
