@@ -198,7 +198,7 @@ def speculative_decode(
         out.extend(new)
         steps.extend([canvas.forwards] * len(new))
         accepted.append(len(new))
-        if stop:
+        if stop or len(out) >= max_new_tokens:
             break
         if drafter is not None:
             drafts = list(drafter(out))[:size]

@@ -59,9 +59,31 @@ def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
     names.append("head:k1")
     if with_vfm:
         names += [f"vfm:k{k}" for k in spec.vfm_steps]
+        names.append("spec:vfm")
     if spec.untrained_baseline:
         names.append("untrained:k1")
     return names
+
+
+def vfm_spec(
+    student: Student, adapter: Any, flow_map: Student, n: int, eos: list[int], shifted: bool
+) -> Decoder:
+    """Lossless speculative decoding with the VFM as drafter: its one-step completion of the next
+    block (a prompt forward + one flow-map forward, both counted) is verified by the head's base."""
+    length = min(student.block_size, adapter.config["max_len"])
+
+    def run(prompt: list[int]) -> Decoded:
+        spent = [0]
+
+        def drafter(done: list[int]) -> list[int]:
+            tokens, forwards = vfm_generate(flow_map, adapter, prompt + done, length, 1, eos, shifted)
+            spent[0] += forwards
+            return tokens
+
+        out = speculative_decode(student, prompt, n, eos, drafter=drafter)
+        return Decoded(out.tokens, out.forwards + spent[0], out.commit_step, out.accepted)
+
+    return run
 
 
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
@@ -243,6 +265,10 @@ def decoders(
             out[name] = lambda p, k=k, length=length, fm=flow_map, q=adapter: Decoded(
                 *vfm_generate(fm, q, p, length, k, eos, shifted), []
             )
+        elif name == "spec:vfm" and vfm is not None:
+            if student.attention != "block" or not student.scope.masked or not shifted:
+                continue
+            out[name] = vfm_spec(student, *vfm, n, eos, shifted)
         elif name == "untrained:k1":
             out[name] = threshold(untrained(), 0.0)
         else:

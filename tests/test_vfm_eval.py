@@ -149,6 +149,7 @@ def test_eval_reports_every_sampler(built):
         "head:k1",
         "vfm:k1",
         "vfm:k2",
+        "spec:vfm",
         "untrained:k1",
     ]
     s = doc["samplers"]
@@ -161,6 +162,8 @@ def test_eval_reports_every_sampler(built):
         assert s[lossless]["mismatches_vs_student_base"] == 0
         assert s[lossless]["outputs"] == s["ar:student-base"]["outputs"]
     assert s["spec:head"]["mean_accepted"] == pytest.approx(s["spec:head"]["tpf"])  # one forward per round
+    # the VFM drafter's prompt and flow-map forwards count: three forwards per verified round
+    assert s["spec:vfm"]["tpf"] == pytest.approx(s["spec:vfm"]["mean_accepted"] / 3)
     block = st.manifest(refs["head"])["metrics"]["diffusion_spec"]["block_size"]
     assert 1 < s["head:k1"]["tpf"] <= block  # a whole block per forward, never more
     max_len = min(cfg.eval.max_new_tokens, cfg.vfm.max_len)
