@@ -47,6 +47,7 @@ LOSSLESS = (
     "ar:prompt-lookup",
     "spec:head",
     "spec:head+lookup",
+    "spec:vfm",
 )  # must equal the student's base
 
 

@@ -157,6 +157,7 @@ def test_eval_reports_every_sampler(built):
     for lossless in (
         "spec:head",
         "spec:head+lookup",
+        "spec:vfm",
         "ar:prompt-lookup",
     ):  # token for token the student's base model
         assert s[lossless]["mismatches_vs_student_base"] == 0
