@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.9)
     args = ap.parse_args()
     import torch
+    from tqdm.auto import tqdm
 
     from a2d.flows.pipeline import plan
     from a2d.models.generate import eos_ids, generate_batch
@@ -106,7 +107,7 @@ def main() -> None:
     stats = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": []} for name in samplers}
     with torch.no_grad():
         samplers["ar:greedy"](rows[0]["prompt_ids"])  # warm-up, not timed
-        for r in rows:
+        for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
             for name, fn in samplers.items():
                 start = time.perf_counter()
                 tokens, forwards = fn(r["prompt_ids"])
