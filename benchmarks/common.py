@@ -16,6 +16,24 @@ from a2d.stores import bundled
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def built(config: str, store: str | None, stage: str):
+    """(config, planned refs up to `stage`, ArtifactStore) of a pipeline already built up to `stage`;
+    exits naming the command to run when that stage's artifact is not complete."""
+    from a2d.flows.pipeline import plan
+    from a2d.specs import load_config
+    from a2d.stores.artifacts import ArtifactStore
+
+    cfg = load_config(config, [f"store={store}"] if store else [])
+    refs = plan(cfg, stage)
+    st = ArtifactStore(cfg.store)
+    if not st.is_complete(refs[stage]):
+        raise SystemExit(
+            f"no complete {stage} artifact at {refs[stage].uri}: run `a2d run {config} --until {stage}` "
+            "(or `make demo`) first"
+        )
+    return cfg, refs, st
+
+
 def teacher(kind: str, cache: Path | None = None):
     """`smollm2` (the packaged GGUF, converted once) or `tiny` (random 64-layer qwen3_5)."""
     cache = cache or Path(tempfile.gettempdir()) / "a2d-bench"

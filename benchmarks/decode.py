@@ -31,24 +31,15 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from a2d.flows.pipeline import plan
-    from a2d.models.generate import eos_ids, generate_batch
-    from a2d.models.sampler import speculative_decode, threshold_decode
-    from a2d.specs import load_config
-    from a2d.stores.artifacts import ArtifactStore
-    from a2d.stores.readers import read_responses
+    from a2d.models.generate import eos_ids
+    from a2d.models.sampler import ar_decode, speculative_decode, threshold_decode
+    from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
     from a2d.tasks.students import load_student
-    from benchmarks.common import write_result
+    from benchmarks.common import built, write_result
 
-    cfg = load_config(args.config, [f"store={args.store}"] if args.store else [])
-    refs = plan(cfg, "head")
-    store = ArtifactStore(cfg.store)
-    if not store.is_complete(refs["head"]):
-        raise SystemExit(
-            f"no complete head at {refs['head'].uri}: run `a2d run {args.config} --until head` first"
-        )
-    rows = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
+    cfg, refs, store = built(args.config, args.store, "head")
+    rows = read_held_out(store, refs["responses"])
     rows = rows[: args.samples] if args.samples else rows
     teacher, tok = teacher_stage.tm.load_teacher(
         teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
@@ -56,52 +47,27 @@ def main() -> None:
     student, dspec = load_student(store, refs["head"])
     eos, n = eos_ids(teacher, tok), args.max_new_tokens
 
-    def counted_generate(model, prompt, lookup=0):
-        count = [0]
-        handle = model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-        try:
-            if lookup:
-                ids = torch.tensor([prompt])
-                new = model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=n,
-                    do_sample=False,
-                    eos_token_id=eos,
-                    pad_token_id=tok.pad_token_id,
-                    prompt_lookup_num_tokens=lookup,
-                )[0, len(prompt) :].tolist()
-                tokens = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
-            else:
-                tokens = generate_batch(model, [prompt], n, eos, tok.pad_token_id).response_ids[0]
-        finally:
-            handle.remove()
-        return tokens, count[0]
-
     def base_generate(prompt, lookup=0):
         with student.base() as model:
-            return counted_generate(model, prompt, lookup)
+            return ar_decode(model, prompt, n, eos, tok.pad_token_id, lookup)
 
-    samplers = {
-        "ar:greedy": lambda p: counted_generate(teacher, p),
+    alignment = dspec["logit_alignment"]
+    samplers = {  # prompt -> Decoded
+        "ar:greedy": lambda p: ar_decode(teacher, p, n, eos, tok.pad_token_id),
         "ar:student-base": base_generate,
         "ar:prompt-lookup": lambda p: base_generate(p, lookup=10),
-        "spec:head": lambda p: (lambda d: (d.tokens, d.forwards))(speculative_decode(student, p, n, eos)),
-        "spec:head+lookup": lambda p: (lambda d: (d.tokens, d.forwards))(
-            speculative_decode(student, p, n, eos, lookup=3)
-        ),
+        "spec:head": lambda p: speculative_decode(student, p, n, eos),
+        "spec:head+lookup": lambda p: speculative_decode(student, p, n, eos, lookup=3),
         # fewer masks per forward: cheaper forwards where cost grows with tokens (a CPU), shorter drafts
-        "spec:head(draft_len=1)": lambda p: (lambda d: (d.tokens, d.forwards))(
-            speculative_decode(student, p, n, eos, draft_len=1)
+        "spec:head(draft_len=1)": lambda p: speculative_decode(student, p, n, eos, draft_len=1),
+        "spec:head+lookup(draft_len=2)": lambda p: speculative_decode(
+            student, p, n, eos, lookup=3, draft_len=2
         ),
-        "spec:head+lookup(draft_len=2)": lambda p: (lambda d: (d.tokens, d.forwards))(
-            speculative_decode(student, p, n, eos, lookup=3, draft_len=2)
+        "threshold:cached": lambda p: threshold_decode(
+            student, p, n, args.threshold, eos, alignment, cached=True
         ),
-        "threshold:cached": lambda p: (lambda d: (d.tokens, d.forwards))(
-            threshold_decode(student, p, n, args.threshold, eos, dspec["logit_alignment"], cached=True)
-        ),
-        "threshold:uncached": lambda p: (lambda d: (d.tokens, d.forwards))(
-            threshold_decode(student, p, n, args.threshold, eos, dspec["logit_alignment"], cached=False)
+        "threshold:uncached": lambda p: threshold_decode(
+            student, p, n, args.threshold, eos, alignment, cached=False
         ),
     }
     stats = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": []} for name in samplers}
@@ -110,12 +76,12 @@ def main() -> None:
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
             for name, fn in samplers.items():
                 start = time.perf_counter()
-                tokens, forwards = fn(r["prompt_ids"])
+                out = fn(r["prompt_ids"])
                 st = stats[name]
                 st["seconds"] += time.perf_counter() - start
-                st["tokens"] += len(tokens)
-                st["forwards"] += forwards
-                st["outputs"].append(tokens)
+                st["tokens"] += len(out.tokens)
+                st["forwards"] += out.forwards
+                st["outputs"].append(out.tokens)
     # What a forward costs as it is fed more tokens (the base, over a 64-token cache): a speculative
     # forward pays this for its drafts and masks, so its tokens per forward must beat the ratio.
     from transformers import DynamicCache

@@ -119,23 +119,14 @@ def alignment_row(config: str, store: str | None, steps: int, samples: int) -> d
     import numpy as np
     import torch
 
-    from a2d.flows.pipeline import plan
     from a2d.models.views import ViewSampler, build_batch
-    from a2d.specs import TrainOptions, load_config
-    from a2d.stores.artifacts import ArtifactStore
-    from a2d.stores.readers import read_responses
+    from a2d.specs import TrainOptions
+    from a2d.stores.readers import read_held_out
     from a2d.tasks.train_head import TrainJob, diffusion_ce, resume, setup, train
+    from benchmarks.common import built
 
-    cfg = load_config(config, [f"store={store}"] if store else [])
-    refs = plan(cfg, "trajectories")
-    st = ArtifactStore(cfg.store)
-    if not st.is_complete(refs["trajectories"]):
-        raise SystemExit(
-            f"no trajectories at {refs['trajectories'].uri}: run `a2d run {config} --until trajectories`"
-        )
-    held_out = [r for r in read_responses(st, refs["responses"]).to_pylist() if r["split"] == "eval"][
-        :samples
-    ]
+    cfg, refs, st = built(config, store, "trajectories")
+    held_out = read_held_out(st, refs["responses"])[:samples]
     out = {}
     for weight in (0.0, cfg.head.align_weight or 0.25):
         spec = cfg.head.model_copy(update={"steps": steps, "align_weight": weight})

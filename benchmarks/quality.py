@@ -34,19 +34,10 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--store", default=None)
     args = ap.parse_args()
-    from a2d.flows.pipeline import plan
-    from a2d.specs import load_config
-    from a2d.stores.artifacts import ArtifactStore
     from a2d.stores.readers import read_metrics
-    from benchmarks.common import write_result
+    from benchmarks.common import built, write_result
 
-    cfg = load_config(args.config, [f"store={args.store}"] if args.store else [])
-    refs = plan(cfg, "eval")
-    store = ArtifactStore(cfg.store)
-    if not store.is_complete(refs["eval"]):
-        raise SystemExit(
-            f"no complete eval artifact at {refs['eval'].uri}: run `make demo` (or a2d run {args.config}) first"
-        )
+    _, refs, store = built(args.config, args.store, "eval")
     doc = read_metrics(store, refs["eval"])
     write_result(
         "quality",

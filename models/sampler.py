@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from a2d.models.canvas import Canvas
+from a2d.models.generate import generate_batch
 from a2d.models.student import Student, lm_head
 
 
@@ -40,6 +41,42 @@ class Decoded:
 
 
 OnStep = Callable[[list[int], list[int]], None]  # (response so far, positions this forward committed)
+
+
+def ar_decode(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int | None,
+    lookup: int = 0,
+) -> Decoded:
+    """Greedy AR decoding with transformers' KV cache, every model call counted; with `lookup`,
+    transformers' prompt-lookup decoding (drafts copied from the prompt, verified; `lookup` tokens)."""
+    count = [0]
+
+    def hook(*_: object) -> None:
+        count[0] += 1
+
+    handle = model.register_forward_hook(hook)
+    try:
+        if lookup:
+            ids = torch.tensor([prompt], device=next(model.parameters()).device)
+            new = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos_ids,
+                pad_token_id=pad_id,
+                prompt_lookup_num_tokens=lookup,
+            )[0, len(prompt) :].tolist()
+            tokens = new[: next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
+        else:
+            tokens = generate_batch(model, [prompt], max_new_tokens, eos_ids, pad_id).response_ids[0]
+    finally:
+        handle.remove()
+    return Decoded(tokens, count[0], [])
 
 
 def _predictor(position: int, shifted: bool) -> int:

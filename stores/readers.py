@@ -38,6 +38,11 @@ def read_responses(store: ArtifactStore, ref: ArtifactRef, shard: str | None = N
     return _table(store, ref, [shard] if shard else None)
 
 
+def read_held_out(store: ArtifactStore, ref: ArtifactRef) -> list[dict[str, Any]]:
+    """The held-out (split "eval") rows of a complete responses artifact, in stored order."""
+    return [r for r in read_responses(store, ref).to_pylist() if r["split"] == "eval"]
+
+
 def read_trajectories(store: ArtifactStore, ref: ArtifactRef) -> dict[str, dict[str, Any]]:
     """All records of a complete trajectories artifact keyed by sample id (numpy arrays inside)."""
     out = {}

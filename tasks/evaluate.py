@@ -12,10 +12,10 @@ import torch
 from prefect import task
 from tqdm import tqdm
 
-from a2d.models.generate import eos_ids, generate_batch
+from a2d.models.generate import eos_ids
 from a2d.models.metrics import family_aup, summarise_sampler
 from a2d.models.report import markdown_report, plot_speed_quality, text_table
-from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
+from a2d.models.sampler import Decoded, ar_decode, speculative_decode, threshold_decode
 from a2d.models.student import Student, build_student
 from a2d.models.teacher import resolve_device
 from a2d.models.vfm import vfm_generate
@@ -23,7 +23,7 @@ from a2d.specs import EvalSpec
 from a2d.stores import bundled
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
-from a2d.stores.readers import EVAL_SHARD, read_metrics, read_prompts, read_responses
+from a2d.stores.readers import EVAL_SHARD, read_held_out, read_metrics, read_prompts
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import artifact_key as prefect_key
@@ -179,16 +179,6 @@ def run_sampler(name: str, decode: Decoder, rows: list[dict], tok: Any, spec: Ev
     }
 
 
-def counted(model: torch.nn.Module) -> tuple[list[int], Any]:
-    """A forward counter on `model` (for transformers' own generate loops): ([count], hook handle)."""
-    count = [0]
-
-    def hook(*_: Any) -> None:
-        count[0] += 1
-
-    return count, model.register_forward_hook(hook)
-
-
 def decoders(
     names: list[str],
     student: Student,
@@ -205,28 +195,7 @@ def decoders(
     alignment = dspec["logit_alignment"]
 
     def ar(model: torch.nn.Module, lookup: int = 0) -> Decoder:
-        def run(prompt: list[int]) -> Decoded:
-            count, handle = counted(model)
-            try:
-                if lookup:  # transformers' prompt-lookup decoding: drafts copied from the prompt, verified
-                    ids = torch.tensor([prompt], device=next(model.parameters()).device)
-                    new = model.generate(
-                        input_ids=ids,
-                        attention_mask=torch.ones_like(ids),
-                        max_new_tokens=n,
-                        do_sample=False,
-                        eos_token_id=eos,
-                        pad_token_id=tok.pad_token_id,
-                        prompt_lookup_num_tokens=lookup,
-                    )[0, len(prompt) :].tolist()
-                    tokens = new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
-                else:
-                    tokens = generate_batch(model, [prompt], n, eos, tok.pad_token_id).response_ids[0]
-            finally:
-                handle.remove()
-            return Decoded(tokens, count[0], [])
-
-        return run
+        return lambda prompt: ar_decode(model, prompt, n, eos, tok.pad_token_id, lookup)
 
     def base(lookup: int = 0) -> Decoder:
         def run(prompt: list[int]) -> Decoded:
@@ -289,14 +258,13 @@ def evaluate(
     With `out`, the evaluated rows are exported there (heldout.jsonl, lm-eval's a2d_bundled task
     format), and lm-eval's results (lm_eval.json) when `spec.lm_eval_tasks` asks for tasks.
     """
-    rows = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
+    rows = read_held_out(store, refs["responses"])
     rows = rows[: spec.max_samples] if spec.max_samples else rows
     if not rows:
         raise ValueError("no held-out prompts: raise prompts.eval_fraction so the eval split is not empty")
     student, dspec = load_student(store, refs["head"], device)
     teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
-    # custom modelling code runs only when the teacher was materialised with it allowed
-    remote = bool(store.manifest(refs["teacher"])["spec"].get("trust_remote_code", False))
+    remote = teacher_stage.trusts_remote_code(store, refs["teacher"])
     teacher, tok = teacher_stage.tm.load_teacher(teacher_dir, device=device, trust_remote_code=remote)
     eos = eos_ids(teacher, tok)
 

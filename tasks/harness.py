@@ -20,8 +20,8 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from a2d.models.generate import eos_ids, generate_batch
-from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
+from a2d.models.generate import eos_ids
+from a2d.models.sampler import Decoded, ar_decode, speculative_decode, threshold_decode
 from a2d.models.student import Student
 from a2d.models.vfm import vfm_generate
 from a2d.stores.artifacts import ArtifactStore
@@ -91,8 +91,7 @@ class A2DLM(LM):
                 [],
             )
         with s.base() as base:
-            tokens = generate_batch(base, [ids], budget, self.eos, self.tok.pad_token_id).response_ids[0]
-        return Decoded(tokens, len(tokens), [])
+            return ar_decode(base, ids, budget, self.eos, self.tok.pad_token_id)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []

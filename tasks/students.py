@@ -30,7 +30,6 @@ def load_student(
     teacher_ref = store.ref("teacher", manifest["upstream"]["teacher"])
     adapter = store.local_copy(ref, HEAD_SHARD, cache_root())
     # A damaged adapter or teacher file (reused unverified) is named, not a safetensors error.
-    # Custom modelling code runs only when the teacher was materialised with it allowed.
     with store.reading(ref), store.reading(teacher_ref):
         student = build_student(
             teacher_stage.local_dir(store, teacher_ref),
@@ -43,7 +42,7 @@ def load_student(
             spec.block_size,
             spec.adapter_scope,
             adapter_dir=adapter,
-            trust_remote_code=bool(store.manifest(teacher_ref)["spec"].get("trust_remote_code", False)),
+            trust_remote_code=teacher_stage.trusts_remote_code(store, teacher_ref),
         )
         student.load_extras(load_file(adapter / "extras.safetensors"))
     student.model.eval()

@@ -70,6 +70,12 @@ def local_dir(store: ArtifactStore, ref: ArtifactRef) -> Path:
         return store.local_copy(ref, SHARD, cache_root())
 
 
+def trusts_remote_code(store: ArtifactStore, ref: ArtifactRef) -> bool:
+    """Whether the teacher was materialised with custom modelling code allowed: only then may
+    anything built from it (students, the eval's models) run that code."""
+    return bool(store.manifest(ref)["spec"].get("trust_remote_code", False))
+
+
 _MODELS: dict[tuple, tuple] = {}
 
 
