@@ -31,8 +31,8 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
+    from a2d.models.block_decode import ar_decode, speculative_decode, threshold_decode
     from a2d.models.generate import eos_ids
-    from a2d.models.sampler import ar_decode, speculative_decode, threshold_decode
     from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
     from a2d.tasks.students import load_student

@@ -175,14 +175,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(_store_arg(args))
     head = find_head(store, args.head)
-    print(f"head {head.key}  sampler {args.sampler}", file=sys.stderr)
+    print(f"head {head.key}  decoder {args.decoder}", file=sys.stderr)
 
     def stream(piece: str) -> None:
         print(piece, end="", flush=True)
 
-    gen = generate(
-        store, head, args.prompt, args.sampler, args.max_new_tokens, args.threshold, args.device, stream
-    )
+    gen = generate(store, head, args.prompt, args.decoder, args.max_new_tokens, args.device, stream)
     print()
     if args.show_steps:
         print(render_steps(gen))
@@ -253,14 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--head", help="head key (a unique prefix; default: the newest complete head)")
     gen.add_argument(
-        "--sampler",
-        choices=["spec", "threshold", "ar"],
-        default="spec",
-        help="spec: lossless self-speculative with head and n-gram lookup drafts (the base model's own output); threshold: parallel, lossy; "
-        "ar: the base model one token per forward",
+        "--decoder",
+        default="spec:head+lookup",
+        help="a decoder name (a2d.models.decoders): spec:head+lookup (default: lossless, the base model's own "
+        "output), spec:head, ar:prompt-lookup, ar:student-base, threshold:0.9 (parallel, lossy), head:k1, vfm:k1, ...",
     )
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--threshold", type=float, default=0.9, help="threshold sampler: commit confidence")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--show-steps", action="store_true", help="print which tokens each forward committed")
     gen.set_defaults(fn=cmd_generate)

@@ -22,7 +22,7 @@ def eval_flow(
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
-    """Speed and quality of every sampler; metrics.json, a speed/quality plot and a Markdown report."""
+    """Speed and quality of every decoder; metrics.json, a speed/quality plot and a Markdown report."""
     enforce(store=store, run=opts, refs=(teacher, responses, head, vfm))  # a served run: before any work
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm}

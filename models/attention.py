@@ -21,9 +21,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass
+class Tree:
+    """A branched open region (speculative decoding drafts for every acceptance length at once).
+
+    `allowed` (1, T, T) says which of the T new tokens each new token sees (clean tokens: causal;
+    each open run: the prefix up to its attach point and itself); `positions` (1, T) are their
+    positions from the first new token; `runs` are (first column, length, index of the saved
+    linear-attention state it continues from) per open run (see `BidirectionalScan`).
+    """
+
+    allowed: torch.Tensor
+    positions: torch.Tensor
+    runs: list[tuple[int, int, int]]
 
 
 class Scope:
@@ -41,6 +57,7 @@ class Scope:
         self.window = 0  # trailing columns the reverse scan covers
         self.segments: list[int] | None = None  # decode: clean-prefix segment lengths (see BidirectionalScan)
         self.states: dict[int, list] = {}  # decode: linear-attention state after each segment, per layer
+        self.runs: list[tuple[int, int, int]] | None = None  # decode: open runs of a branched region
 
     def set(
         self,
@@ -48,8 +65,10 @@ class Scope:
         window: int,
         adapter: torch.Tensor | None,
         segments: list[int] | None = None,
+        runs: list[tuple[int, int, int]] | None = None,
     ) -> None:
         self.open, self.window, self.adapter, self.segments = open_, window, adapter, segments
+        self.runs = runs
         self.states = {}
 
     def clear(self) -> None:
@@ -107,13 +126,22 @@ class BidirectionalScan(nn.Module):
             )
         if self.gate is None or scope.open is None or scope.window == 0:
             return fwd
-        w = scope.window
-        x = hidden_states[:, -w:].flip(1)  # (B, w, H), last column first
-        gate = scope.adapter[:, -w:].flip(1) if scope.adapter is not None else None
-        with scope.adapter_as(gate):
-            bwd = self.inner(hidden_states=x, cache=None, attention_mask=None).flip(1)
-        weight = torch.tanh(self.gate).to(fwd.dtype) * scope.open[:, -w:, None].to(fwd.dtype)  # (B, w, 1)
-        return torch.cat([fwd[:, :-w], fwd[:, -w:] + weight * bwd], dim=1)
+        t = hidden_states.shape[1]
+        runs = (
+            [(start, n) for start, n, _ in scope.runs] if scope.runs else [(t - scope.window, scope.window)]
+        )
+        parts, pos = [], 0
+        for start, n in runs:  # each open run scanned in reverse on its own
+            x = hidden_states[:, start : start + n].flip(1)  # (B, n, H), last column first
+            gate = scope.adapter[:, start : start + n].flip(1) if scope.adapter is not None else None
+            with scope.adapter_as(gate):
+                bwd = self.inner(hidden_states=x, cache=None, attention_mask=None).flip(1)
+            weight = torch.tanh(self.gate).to(fwd.dtype) * scope.open[:, start : start + n, None].to(
+                fwd.dtype
+            )
+            parts += [fwd[:, pos:start], fwd[:, start : start + n] + weight * bwd]  # weight (B, n, 1)
+            pos = start + n
+        return torch.cat(parts + [fwd[:, pos:]], dim=1)
 
     def _segmented(self, hidden: torch.Tensor, cache, attention_mask, **kwargs) -> torch.Tensor:
         """Scan the clean segments one after another (saving the state after each), then the open part."""
@@ -126,9 +154,17 @@ class BidirectionalScan(nn.Module):
                     outs.append(self.inner(hidden_states=hidden[:, pos : pos + n], cache=cache, **kwargs))
                 pos += n
             saved.append(linear_state(cache, idx))
-        if pos < hidden.shape[1]:
-            with self.scope.adapter_as(gate[:, pos:] if gate is not None else None):
-                outs.append(self.inner(hidden_states=hidden[:, pos:], cache=cache, **kwargs))
+        runs = self.scope.runs or (
+            [(pos, hidden.shape[1] - pos, len(saved) - 1)] if pos < hidden.shape[1] else []
+        )
+        for start, n, state in runs:  # each open run continues from the state at its attach point
+            if start != pos:
+                raise RuntimeError(f"open run at column {start} does not follow the scanned prefix ({pos})")
+            set_linear_state(cache, idx, saved[state])
+            with self.scope.adapter_as(gate[:, pos : pos + n] if gate is not None else None):
+                outs.append(self.inner(hidden_states=hidden[:, pos : pos + n], cache=cache, **kwargs))
+            pos += n
+        if runs:
             set_linear_state(cache, idx, saved[-1])
         self.scope.states[idx] = saved
         return torch.cat(outs, dim=1)
@@ -170,6 +206,7 @@ def attention_masks(
     past: int = 0,
     hybrid: bool = False,
     past_pad: torch.Tensor | None = None,
+    tree: Tree | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The attention mask of a student forward over T new tokens after `past` cached ones.
 
@@ -177,7 +214,7 @@ def attention_masks(
     additive (B, 1, T, past + T) mask: 0 where a query may attend, the dtype minimum elsewhere.
     Cached tokens are committed and visible to every query, except where `past_pad` (B, past) marks
     them as padding. Linear-attention layers of a hybrid get the 2D padding mask (None when nothing
-    is padded).
+    is padded). `tree` (block mode) replaces the new tokens' block layout with a branched one.
     """
     b, t = pad.shape
     idx = torch.arange(t, device=pad.device)
@@ -186,6 +223,8 @@ def attention_masks(
         if past:
             raise ValueError("bidirectional attention has no exact cache: every token sees later tokens")
         allowed = real.expand(b, t, t)
+    elif mode == "block" and tree is not None:
+        allowed = real & tree.allowed.to(pad.device)
     elif mode == "block":
         causal = idx[None, :] <= idx[:, None]  # (T, T) key <= query
         allowed = real & (causal[None] | open_.bool()[:, :, None])  # open queries see every real key

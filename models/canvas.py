@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from a2d.models.attention import set_linear_state
+from a2d.models.attention import Tree, set_linear_state
 from a2d.models.student import Student, student_forward
 
 
@@ -91,16 +91,31 @@ class Canvas:
         """Committed tokens the cache does not hold yet (always at least the newest one)."""
         return self.tokens[self.in_cache :]
 
-    def forward(self, clean: list[int], region: list[int] | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        clean: list[int],
+        region: list[int] | torch.Tensor,
+        branches: list[tuple[int, int]] | None = None,
+        student: Student | None = None,
+    ) -> torch.Tensor:
         """Run pending + clean + region; hidden states (len(pending) + len(clean) + len(region), H).
 
         `region` is token ids (masks and committed-out-of-order tokens), or input embeddings (n, H).
+        `branches` splits the region into open runs `(attach, length)`, in order: a run sits right
+        after the first `attach` clean candidates, at their next positions, and sees the prefix up to
+        there and itself, not the clean candidates after `attach` nor the other runs (tree
+        attention: one forward drafts for every acceptance length of the candidates it verifies).
+        Default: one run after every clean candidate, the decode state training trains on.
+        `student` runs the forward instead of the canvas's own (a flow map with other adapter
+        weights over the same base: the cache is the base's, so both read and extend it).
         """
+        student = student or self.student
         pending = self.pending
         embeds = isinstance(region, torch.Tensor)
         n_region = region.shape[0] if embeds else len(region)
         fed_ids = pending + list(clean)
         context = self.tokens[: self.in_cache] if not self.cached else []
+        tree = self._tree(len(context) + len(fed_ids), len(clean), n_region, branches)
         ids = torch.tensor([context + fed_ids + ([] if embeds else list(region))], device=self.device)
         width = ids.shape[1] + (n_region if embeds else 0)
         pad = torch.ones((1, width), dtype=torch.long, device=self.device)
@@ -108,25 +123,50 @@ class Canvas:
         open_[0, width - n_region :] = True
         inputs_embeds = None
         if embeds:
-            emb = self.student.inner.get_input_embeddings()(ids)  # clean part: the base's own embeddings
+            emb = student.inner.get_input_embeddings()(ids)  # clean part: the base's own embeddings
             inputs_embeds = torch.cat([emb, region[None].to(emb.dtype)], dim=1)
             ids = None
         segments = [len(pending) - 1, 1, *([1] * len(clean))]  # boundaries a caller may keep
         hidden = student_forward(
-            self.student,
+            student,
             ids,
             pad,
             open_,
             cache=self.cache,
             inputs_embeds=inputs_embeds,
             segments=segments,
+            tree=tree,
         )
         self.forwards += 1
         self._fed = (len(pending), len(clean))
-        self._states = (
-            self.student.scope.states
-        )  # this forward's rollback points (the next forward replaces the scope's)
+        self._states = student.scope.states  # this forward's rollback points (the next forward replaces them)
         return hidden[0, len(context) :]
+
+    def _tree(self, n_clean_fed: int, n_clean: int, n_region: int, branches) -> Tree | None:
+        """The tree-attention layout of a branched region (None for the default single run)."""
+        if branches is None or [tuple(b) for b in branches] == [(n_clean, n_region)]:
+            return None
+        if sum(n for _, n in branches) != n_region or any(not 0 <= a <= n_clean for a, _ in branches):
+            raise ValueError(
+                f"branches {branches} do not split a region of {n_region} after {n_clean} candidates"
+            )
+        if self.student.hybrid and not self.cached:
+            raise ValueError(
+                "branched regions on a hybrid need the cache (each run scans from its own state)"
+            )
+        t = n_clean_fed + n_region
+        first_clean = n_clean_fed - n_clean  # column of the first clean candidate
+        allowed = torch.ones(t, t, device=self.device).tril().bool()  # clean columns: causal
+        positions = torch.arange(t, device=self.device)
+        runs, col = [], n_clean_fed
+        for attach, n in branches:
+            allowed[col : col + n] = False
+            allowed[col : col + n, : first_clean + attach] = True  # the prefix up to the attach point
+            allowed[col : col + n, col : col + n] = True  # its own run, both ways
+            positions[col : col + n] = first_clean + attach + torch.arange(n, device=self.device)
+            runs.append((col, n, 1 + attach))  # linear-attention state after the attach point
+            col += n
+        return Tree(allowed[None], positions[None], runs)
 
     def keep(self, clean_kept: int) -> None:
         """After a forward: the cache keeps the fed pending tokens but the newest (clean_kept = -1),

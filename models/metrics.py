@@ -1,4 +1,4 @@
-"""Decode-quality metrics for samplers: token agreement with the teacher, repetition, and d3LLM's AUP.
+"""Decode-quality metrics for decoders: token agreement with the teacher, repetition, and d3LLM's AUP.
 
 Everything here is plain Python over token lists and small tables, so evaluation code can be tested
 without torch. Accuracies passed to `aup` are percentages (0-100), as in the d3LLM paper; the
@@ -19,7 +19,7 @@ def token_agreement(pred: Sequence[int], ref: Sequence[int]) -> float:
 
     Positions of `ref` beyond the end of `pred` count as wrong, and extra tokens in `pred` past the
     end of `ref` are ignored: the reference defines what there was to get right. An empty reference
-    scores 1.0 against an empty prediction and 0.0 against anything else, so that a sampler that
+    scores 1.0 against an empty prediction and 0.0 against anything else, so that a decoder that
     emits tokens where the teacher stopped at once is not rewarded.
     """
     if not ref:
@@ -89,41 +89,41 @@ def aup(
     return area
 
 
-def family_of(sampler: str) -> str:
-    """The family of a sampler name: the part before the first ':' ("head:conf0.9" -> "head")."""
-    return sampler.split(FAMILY_SEP, 1)[0]
+def family_of(decoder: str) -> str:
+    """The family of a decoder name: the part before the first ':' ("head:conf0.9" -> "head")."""
+    return decoder.split(FAMILY_SEP, 1)[0]
 
 
-def group_families(samplers: Mapping[str, Any]) -> dict[str, list[str]]:
+def group_families(decoders: Mapping[str, Any]) -> dict[str, list[str]]:
     """Sampler names grouped by family, in first-seen order, so one family is one AUP curve."""
     groups: dict[str, list[str]] = {}
-    for name in samplers:
+    for name in decoders:
         groups.setdefault(family_of(name), []).append(name)
     return groups
 
 
 def family_aup(
-    samplers: Mapping[str, Mapping[str, Any]],
+    decoders: Mapping[str, Mapping[str, Any]],
     metric: str = "token_agreement",
     y_max: float | None = None,
     alpha: float = 3.0,
     drop_below: float = 5.0,
 ) -> dict[str, float]:
-    """AUP per family from `summarise_sampler` results, using `metric` (a share) as accuracy in percent.
+    """AUP per family from `summarise_decoder` results, using `metric` (a share) as accuracy in percent.
 
-    `y_max` defaults to the best value of `metric` over all samplers, as d3LLM uses the best
+    `y_max` defaults to the best value of `metric` over all decoders, as d3LLM uses the best
     accuracy of any method on the task. Samplers whose metric is None are skipped, and families left
     without points are omitted.
     """
-    values = {name: s[metric] for name, s in samplers.items() if s.get(metric) is not None}
+    values = {name: s[metric] for name, s in decoders.items() if s.get(metric) is not None}
     if not values:
         return {}
     top = y_max if y_max is not None else 100.0 * max(values.values())
     if top <= 0:
         raise ValueError(f"y_max must be positive; best {metric} is {top}")
     result: dict[str, float] = {}
-    for family, names in group_families(samplers).items():
-        points = [(float(samplers[n]["tpf"]), 100.0 * float(values[n])) for n in names if n in values]
+    for family, names in group_families(decoders).items():
+        points = [(float(decoders[n]["tpf"]), 100.0 * float(values[n])) for n in names if n in values]
         if points:
             result[family] = aup(points, top, alpha=alpha, drop_below=drop_below)
     return result
@@ -149,17 +149,22 @@ def bootstrap_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, 
     return [means[int(0.025 * (resamples - 1))], means[int(math.ceil(0.975 * (resamples - 1)))]]
 
 
-def summarise_sampler(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Aggregate per-sample decode records of one sampler into speed and quality numbers.
+def summarise_decoder(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Aggregate per-sample decode records of one decoder into speed and quality numbers.
 
     Each record has `tokens`, `teacher_tokens`, `forwards`, `seconds` and `correct` (bool or None
     when the task has no checkable answer). TPF and tokens/s are ratios of totals, not means of
     ratios, so long samples weigh by their length as in d3LLM; the quality metrics are means over
     samples, each with a bootstrap 95 % interval (`ci95`). tokens_per_s is None when no time was
-    recorded; `mean_accepted` is the mean tokens gained per forward of a speculative sampler.
+    recorded. Speculative decoders' records also carry, per verify forward, `accepted` (drafts that
+    held), `drafted` (drafts fed) and `draftable` (whether the forward could have carried drafts: not
+    a prompt's first forward, not a one-token budget): `mean_accepted` is drafted tokens accepted per
+    verify forward (the base's own correction token is not counted), `acceptance_by_offset[i]` the
+    share of fed drafts at offset i + 1 that held, `no_draft_share` the share of draftable verify
+    forwards fed no drafts.
     """
     if not records:
-        raise ValueError("summarise_sampler needs at least one record")
+        raise ValueError("summarise_decoder needs at least one record")
     total_tokens = sum(len(r["tokens"]) for r in records)
     total_forwards = sum(int(r["forwards"]) for r in records)
     total_seconds = sum(float(r["seconds"]) for r in records)
@@ -169,6 +174,15 @@ def summarise_sampler(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     agreement = [token_agreement(r["tokens"], r["teacher_tokens"]) for r in records]
     exact = [float(exact_match(r["tokens"], r["teacher_tokens"])) for r in records]
     rounds = [a for r in records for a in r.get("accepted") or []]
+    fed = [d for r in records for d in r.get("drafted") or []]
+    could = [
+        d for r in records for d, c in zip(r.get("drafted") or [], r.get("draftable") or [], strict=True) if c
+    ]
+    offsets = max(fed, default=0)
+    by_offset = [
+        round(sum(a >= i for a, d in zip(rounds, fed, strict=True) if d >= i) / sum(d >= i for d in fed), 4)
+        for i in range(1, offsets + 1)
+    ]
     ci = {"token_agreement": bootstrap_ci(agreement), "exact_match": bootstrap_ci(exact)}
     if judged:
         ci["answer_accuracy"] = bootstrap_ci(judged)
@@ -180,6 +194,8 @@ def summarise_sampler(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "answer_accuracy": _mean(judged) if judged else None,
         "repetition_rate": _mean([repetition_rate(r["tokens"]) for r in records]),
         "mean_accepted": _mean(rounds) if rounds else None,
+        "acceptance_by_offset": by_offset if rounds else None,
+        "no_draft_share": round(sum(d == 0 for d in could) / len(could), 4) if could else None,
         "samples": len(records),
         "ci95": ci,
     }

@@ -1,4 +1,4 @@
-"""Render sampler summaries (from `models.metrics.summarise_sampler`) as a plot, Markdown and a text table.
+"""Render decoder summaries (from `models.metrics.summarise_decoder`) as a plot, Markdown and a text table.
 
 The plot is drawn on a bare matplotlib `Figure` with the Agg canvas rather than through pyplot, so
 rendering sets no global backend and leaks no open figures in long-running workers.
@@ -18,7 +18,7 @@ from a2d.models.metrics import group_families
 
 NONE_MARK = "—"
 
-# (header, summary key, format); the single source of the sampler table for Markdown and text.
+# (header, summary key, format); the single source of the decoder table for Markdown and text.
 # A key "ci95.<metric>" is that metric's bootstrap 95 % interval, shown as lo–hi.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TPF", "tpf", "{:.2f}"),
@@ -35,10 +35,10 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 AUP_NOTE = (
-    "AUP (area under parallelism, d3LLM) scores a family of sampler settings as one curve: points are "
+    "AUP (area under parallelism, d3LLM) scores a family of decoder settings as one curve: points are "
     "(ρ = tokens per forward, y = accuracy %), sorted by ρ; points more than 5 below the accuracy y₁ "
     "of the lowest-ρ point are dropped; AUP = ρ₁y₁ + Σᵢ≥₂ ½(ρᵢ − ρᵢ₋₁)(yᵢW(yᵢ) + yᵢ₋₁W(yᵢ₋₁)) with "
-    "W(y) = min(exp(−3(1 − y/y_max)), 1) and y_max the best accuracy of any sampler. An autoregressive "
+    "W(y) = min(exp(−3(1 − y/y_max)), 1) and y_max the best accuracy of any decoder. An autoregressive "
     "decoder (a single point at ρ = 1) scores exactly its accuracy, so higher is better and speed only "
     "counts while accuracy holds."
 )
@@ -58,18 +58,18 @@ def _cell(summary: Mapping[str, Any], key: str, spec: str) -> str:
     return _fmt(summary.get(key), spec)
 
 
-def ran(samplers: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
-    """The samplers that ran (a skipped one carries only the reason it was skipped)."""
-    return {name: s for name, s in samplers.items() if "tpf" in s}
+def ran(decoders: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The decoders that ran (a skipped one carries only the reason it was skipped)."""
+    return {name: s for name, s in decoders.items() if "tpf" in s}
 
 
-def _rows(samplers: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
-    """The sampler table as strings: one row per sampler that ran, name first, then COLUMNS."""
-    return [[name, *(_cell(s, key, spec) for _, key, spec in COLUMNS)] for name, s in ran(samplers).items()]
+def _rows(decoders: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    """The decoder table as strings: one row per decoder that ran, name first, then COLUMNS."""
+    return [[name, *(_cell(s, key, spec) for _, key, spec in COLUMNS)] for name, s in ran(decoders).items()]
 
 
 def _md_cell(text: str) -> str:
-    """Escape pipes so a sampler name cannot split a Markdown table cell."""
+    """Escape pipes so a decoder name cannot split a Markdown table cell."""
     return text.replace("|", "\\|")
 
 
@@ -81,10 +81,10 @@ def _md_table(header: list[str], rows: list[list[str]], text_columns: tuple[int,
     return lines
 
 
-def text_table(samplers: Mapping[str, Mapping[str, Any]]) -> str:
-    """The sampler table as fixed-width plain text for a terminal."""
-    header = ["sampler", *(h for h, _, _ in COLUMNS)]
-    rows = _rows(samplers)
+def text_table(decoders: Mapping[str, Mapping[str, Any]]) -> str:
+    """The decoder table as fixed-width plain text for a terminal."""
+    header = ["decoder", *(h for h, _, _ in COLUMNS)]
+    rows = _rows(decoders)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -97,19 +97,19 @@ def text_table(samplers: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def markdown_report(
-    samplers: Mapping[str, Mapping[str, Any]], aup: Mapping[str, float], meta: Mapping[str, Any]
+    decoders: Mapping[str, Mapping[str, Any]], aup: Mapping[str, float], meta: Mapping[str, Any]
 ) -> str:
-    """A Markdown evaluation report: meta bullets, the sampler table, AUP per family and how AUP is computed.
+    """A Markdown evaluation report: meta bullets, the decoder table, AUP per family and how AUP is computed.
 
-    `aup` maps a family name (the sampler-name prefix before ':') to its AUP, as returned by
+    `aup` maps a family name (the decoder-name prefix before ':') to its AUP, as returned by
     `models.metrics.family_aup`.
     """
-    families = group_families(samplers)
+    families = group_families(decoders)
     lines = ["# Sampler evaluation", "", "## Run", ""]
     lines += [f"- **{key}**: {value}" for key, value in meta.items()] or ["- (no metadata)"]
     lines += ["", "## Samplers", ""]
-    lines += _md_table(["sampler", *(h for h, _, _ in COLUMNS)], _rows(samplers))
-    skipped = [f"- {name}: skipped ({s['skipped']})" for name, s in samplers.items() if "skipped" in s]
+    lines += _md_table(["decoder", *(h for h, _, _ in COLUMNS)], _rows(decoders))
+    skipped = [f"- {name}: skipped ({s['skipped']})" for name, s in decoders.items() if "skipped" in s]
     lines += ["", *skipped] if skipped else []
     lines += ["", "## AUP by family", ""]
     aup_rows = [
@@ -117,36 +117,36 @@ def markdown_report(
         for family, value in sorted(aup.items(), key=lambda kv: -kv[1])
     ]
     if aup_rows:
-        lines += _md_table(["family", "AUP", "samplers"], aup_rows, text_columns=(0, 2))
+        lines += _md_table(["family", "AUP", "decoders"], aup_rows, text_columns=(0, 2))
     else:
         lines.append("No family has an AUP (no accuracy values).")
     lines += ["", AUP_NOTE, ""]
     return "\n".join(lines)
 
 
-def plot_speed_quality(samplers: Mapping[str, Mapping[str, Any]], path: str) -> None:
-    """Save a PNG of quality against tokens per forward, one labelled point per sampler, families joined.
+def plot_speed_quality(decoders: Mapping[str, Mapping[str, Any]], path: str) -> None:
+    """Save a PNG of quality against tokens per forward, one labelled point per decoder, families joined.
 
-    Circles are token agreement with the teacher; squares are answer accuracy where a sampler has it.
+    Circles are token agreement with the teacher; squares are answer accuracy where a decoder has it.
     A family's points are joined in order of TPF so each line is that family's speed-quality curve.
     """
-    samplers = ran(samplers)
+    decoders = ran(decoders)
     fig = Figure(figsize=(7.5, 5.0), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     # One colour per family, shared by its agreement and accuracy series, so the pair reads as one.
     cycle = rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, (family, names) in enumerate(group_families(samplers).items()):
+    for index, (family, names) in enumerate(group_families(decoders).items()):
         colour = cycle[index % len(cycle)]
-        ordered = sorted(names, key=lambda n: float(samplers[n]["tpf"]))
-        xs = [float(samplers[n]["tpf"]) for n in ordered]
-        agree = [float(samplers[n]["token_agreement"]) for n in ordered]
+        ordered = sorted(names, key=lambda n: float(decoders[n]["tpf"]))
+        xs = [float(decoders[n]["tpf"]) for n in ordered]
+        agree = [float(decoders[n]["token_agreement"]) for n in ordered]
         ax.plot(xs, agree, marker="o", color=colour, label=f"{family}: token agreement")
-        judged = [n for n in ordered if samplers[n].get("answer_accuracy") is not None]
+        judged = [n for n in ordered if decoders[n].get("answer_accuracy") is not None]
         if judged:
             ax.plot(
-                [float(samplers[n]["tpf"]) for n in judged],
-                [float(samplers[n]["answer_accuracy"]) for n in judged],
+                [float(decoders[n]["tpf"]) for n in judged],
+                [float(decoders[n]["answer_accuracy"]) for n in judged],
                 marker="s",
                 linestyle="--",
                 color=colour,
@@ -158,7 +158,7 @@ def plot_speed_quality(samplers: Mapping[str, Mapping[str, Any]], path: str) -> 
     ax.set_ylabel("share (token agreement / answer accuracy)")
     ax.set_title("Speed vs quality")
     ax.grid(True, alpha=0.3)
-    if samplers:
+    if decoders:
         ax.legend(fontsize=7, loc="best")
     parent = os.path.dirname(path)
     if parent:

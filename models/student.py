@@ -76,6 +76,9 @@ class StudentInfo:
     target_names: list[str]
     linear_attention_layers: int
     quantization: str
+    mask_is_new: bool = (
+        False  # the mask id is a row added to the teacher's vocabulary (never a teacher token)
+    )
     fallback: str | None = None  # why NF4 was asked for but the base was loaded unquantized
 
 
@@ -97,6 +100,47 @@ def mask_token_id(tok, model: nn.Module) -> tuple[int, bool]:
         if out is not None:
             out.weight[rows:] = 0
     return tok.mask_token_id, True
+
+
+@dataclass(frozen=True)
+class DiffusionSpec:
+    """What a head's diffusion_spec.json holds: how it was trained, so decoding runs it the same way."""
+
+    mask_id: int
+    attention: str  # "block" | "bidirectional"
+    adapter_scope: str  # "masked" | "all"
+    linear_attention: str  # "causal" | "bidirectional" | "n/a" (no linear-attention layers)
+    linear_attention_layers: int
+    logit_alignment: str  # "shifted" | "aligned"
+    block_size: int
+    teacher_key: str
+    quantization: str
+    lora_modules: int
+    lora_targets: tuple[str, ...]
+    steps: int
+    quantization_fallback: str | None = None
+
+    @classmethod
+    def from_json(cls, doc: dict) -> DiffusionSpec:
+        """Read diffusion_spec.json; a missing field is named (the head predates it: rebuild it)."""
+        from dataclasses import fields
+
+        required = [f.name for f in fields(cls) if f.name != "quantization_fallback"]
+        absent = [name for name in required if name not in doc]
+        if absent:
+            raise ValueError(f"diffusion_spec.json lacks {absent}: rebuild the head with this a2d version")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in doc.items() if k in known}
+        return cls(**{**values, "lora_targets": tuple(values["lora_targets"])})
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self), "lora_targets": list(self.lora_targets)}
+
+    @property
+    def shifted(self) -> bool:
+        return self.logit_alignment == "shifted"
 
 
 @dataclass
@@ -222,7 +266,7 @@ def make_student(
     if adapter_scope not in ("masked", "all"):
         raise ValueError(f"unknown adapter_scope {adapter_scope!r}: use masked or all")
     disable_cpu_nf4_packing(model, everywhere=True)
-    mask_id, _ = mask_token_id(tok, model)
+    mask_id, resized = mask_token_id(tok, model)
     scope = Scope(masked=adapter_scope == "masked")
     scans = 0
     reverse = linear_attention == "bidirectional"
@@ -270,7 +314,7 @@ def make_student(
     embed.register_forward_hook(mask.hook)
     for gate in scan_gates(peft_model.get_base_model()).values():
         gate.requires_grad_(adapter_dir is None)
-    info = StudentInfo(mask_id, len(lora_layers), names, scans, quantization)
+    info = StudentInfo(mask_id, len(lora_layers), names, scans, quantization, mask_is_new=resized)
     return Student(peft_model, tok, mask, info, scope, attention, block_size)
 
 
@@ -289,6 +333,7 @@ def student_forward(
     inputs_embeds: torch.Tensor | None = None,
     segments: list[int] | None = None,
     past_pad: torch.Tensor | None = None,
+    tree=None,
 ) -> torch.Tensor:
     """Final-norm hidden states (B, T, H) of one student forward over T new tokens.
 
@@ -298,6 +343,7 @@ def student_forward(
     a cache) are the lengths of the clean prefix's parts after which linear-attention states are
     saved for a rollback (see `BidirectionalScan`). `past_pad` (B, past) marks the real tokens of a
     left-padded cached prefix (training computes the prefix once without grad, then the open block).
+    `tree` (an `a2d.models.attention.Tree`, decoding) lays the open region out as several runs.
     """
     inner = student.inner
     past = cache.get_seq_length() if cache is not None else 0
@@ -310,14 +356,18 @@ def student_forward(
     gate = (
         open_.to(compute_dtype(inner)) if student.scope.masked else torch.ones_like(pad, dtype=torch.float32)
     )
-    student.scope.set(open_, window, gate, segments if cache is not None else None)
-    mask = attention_masks(pad, open_, mode, compute_dtype(inner), past, student.hybrid, past_pad)
+    runs = tree.runs if tree is not None and cache is not None else None
+    student.scope.set(open_, window, gate, segments if cache is not None else None, runs)
+    mask = attention_masks(pad, open_, mode, compute_dtype(inner), past, student.hybrid, past_pad, tree)
+    positions = position_ids(pad, past if past_pad is None else past_pad.long().sum(1, keepdim=True))
+    if tree is not None:
+        positions = tree.positions.to(pad.device) + past
     decoder = getattr(inner, inner.base_model_prefix)
     out = decoder(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
         attention_mask=mask,
-        position_ids=position_ids(pad, past if past_pad is None else past_pad.long().sum(1, keepdim=True)),
+        position_ids=positions,
         cache=cache,
         use_cache=cache is not None,
     )

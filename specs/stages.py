@@ -267,15 +267,22 @@ class VFMSpec(Spec):
     lora_lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate of the LoRA adapters when tuned")
 
 
+# Names the decoder registry (a2d.models.decoders) builds without extra resources; the form refuses others.
+DECODER_NAME = (
+    r"^(ar:greedy|ar:student-base|ar:prompt-lookup|hf:prompt-lookup|spec:head|spec:head\+lookup|spec:vfm|"
+    r"head:k1|untrained:k1|threshold:[0-9]*\.?[0-9]+|entropy:[0-9]*\.?[0-9]+|vfm:k[1-9][0-9]*)$"
+)
+
+
 class EvalSpec(Spec):
     """What the eval stage measures on held-out prompts; part of the eval key."""
 
     max_samples: int | None = Field(
         None, ge=1, le=100_000, description="Held-out prompts evaluated (eval split only); unset = every one"
     )
-    max_new_tokens: int = Field(32, ge=1, le=8192, description="Completion budget for every sampler")
+    max_new_tokens: int = Field(32, ge=1, le=8192, description="Completion budget for every decoder")
     thresholds: tuple[float, ...] = Field(
-        (0.9, 0.7, 0.5), description="Confidence thresholds of the head sampler"
+        (0.9, 0.7, 0.5), description="Confidence thresholds of the threshold decoders (threshold:P)"
     )
     entropy_thresholds: tuple[float, ...] = Field((0.5, 1.5), description="d3LLM entropy thresholds (nats)")
     vfm_steps: tuple[int, ...] = Field((1, 2, 4), description="VFM refinement steps K")
@@ -284,8 +291,10 @@ class EvalSpec(Spec):
         description="lm-evaluation-harness tasks run on the head (e.g. a2d_bundled, gsm8k_cot); needs a2d-pipeline[eval]",
     )
     lm_eval_limit: int | None = Field(None, ge=1, description="lm-eval: documents per task (unset = all)")
-    lm_eval_sampler: Literal["spec", "threshold", "entropy", "ar"] = Field(
-        "spec", description="lm-eval: the a2d sampler that generates"
+    lm_eval_decoder: str = Field(
+        "spec:head",
+        pattern=DECODER_NAME,
+        description="lm-eval: the a2d decoder that generates (a name from a2d.models.decoders, e.g. spec:head)",
     )
     untrained_baseline: bool = Field(
         True,

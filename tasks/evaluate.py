@@ -1,25 +1,25 @@
-"""eval stage: every sampler on held-out prompts; TPF, tokens/s, agreement, accuracy, repetition, AUP."""
+"""eval stage: every decoder on held-out prompts; TPF, tokens/s, agreement, accuracy, repetition, AUP."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from prefect import task
 from tqdm import tqdm
 
+from a2d.models import decoders as registry
+from a2d.models.block_decode import Decoded
 from a2d.models.generate import eos_ids
-from a2d.models.metrics import family_aup, summarise_sampler
+from a2d.models.metrics import family_aup, summarise_decoder
 from a2d.models.report import markdown_report, plot_speed_quality, text_table
-from a2d.models.sampler import Decoded, ar_decode, speculative_decode, threshold_decode
-from a2d.models.student import Student, build_student
+from a2d.models.student import Student
 from a2d.models.teacher import resolve_device
-from a2d.models.vfm import vfm_generate
-from a2d.specs import EvalSpec
+from a2d.specs import EvalSpec, HeadSpec
 from a2d.stores import bundled
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
@@ -28,35 +28,26 @@ from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import artifact_key as prefect_key
 from a2d.tasks.runtime import in_prefect_run
-from a2d.tasks.students import load_flow_map, load_student, load_vfm
+from a2d.tasks.students import head_student, load_flow_map, load_student, load_vfm
 
 STAGE = "eval"
-FORMAT_VERSION = 3  # 3: decode-state samplers, honest forward counts, CIs
-LOOKUP_NGRAM = 3  # spec:head+lookup: the longest n-gram matched in the prompt and output
-PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens (its documented default)
+FORMAT_VERSION = 4  # 4: the decoder registry (branched spec:head, a2d's own prompt lookup, honest counts)
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # a2d's own lm-eval tasks (a2d_bundled)
 COUNTING_RULES = (
     "a forward is one model call over whatever it is fed (draft+verify once; the VFM prompt forward counts); "
     "tokens are generated response tokens up to and including EOS; prompt tokens are not counted"
 )
 SHARD = EVAL_SHARD
-Decoder = Callable[[list[int]], Decoded]  # prompt -> tokens, forwards, (accepted lengths)
-MIN_CORRECT_TO_RANK = 10  # fewer correct answers than this by the best sampler: AUP uses agreement
-LOSSLESS = (
-    "ar:student-base",
-    "ar:prompt-lookup",
-    "spec:head",
-    "spec:head+lookup",
-    "spec:vfm",
-)  # must equal the student's base
+Decoder = Callable[[list[int]], Decoded]  # prompt -> tokens and counts
+MIN_CORRECT_TO_RANK = 10  # fewer correct answers than this by the best decoder: AUP uses agreement
 
 
-def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
-    """Every sampler the eval runs, in report order. The list is part of the eval key, so a sampler
-    added here gives a new key without a hand-bumped FORMAT_VERSION."""
+def decoder_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
+    """Every decoder the eval runs (names from `a2d.models.decoders`), in report order. The list is
+    part of the eval key, so a decoder added here gives a new key without a hand-bumped FORMAT_VERSION."""
     names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
-    names += [f"head:conf{t:g}" for t in spec.thresholds]
-    names += [f"d3llm:ent{e:g}" for e in spec.entropy_thresholds]
+    names += [f"threshold:{t:g}" for t in spec.thresholds]
+    names += [f"entropy:{e:g}" for e in spec.entropy_thresholds]
     names.append("head:k1")
     if with_vfm:
         names += [f"vfm:k{k}" for k in spec.vfm_steps]
@@ -66,33 +57,12 @@ def sampler_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
     return names
 
 
-def vfm_spec(
-    student: Student, adapter: Any, flow_map: Student, n: int, eos: list[int], shifted: bool
-) -> Decoder:
-    """Lossless speculative decoding with the VFM as drafter: its one-step completion of the next
-    block (a prompt forward + one flow-map forward, both counted) is verified by the head's base."""
-    length = min(student.block_size, adapter.config["max_len"])
-
-    def run(prompt: list[int]) -> Decoded:
-        spent = [0]
-
-        def drafter(done: list[int]) -> list[int]:
-            tokens, forwards = vfm_generate(flow_map, adapter, prompt + done, length, 1, eos, shifted)
-            spent[0] += forwards
-            return tokens
-
-        out = speculative_decode(student, prompt, n, eos, drafter=drafter)
-        return Decoded(out.tokens, out.forwards + spent[0], out.commit_step, out.accepted)
-
-    return run
-
-
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
-    """The eval key: the eval spec, the samplers it runs, every artifact it evaluates, and the
+    """The eval key: the eval spec, the decoders it runs, every artifact it evaluates, and the
     lm-eval version when it runs lm-eval tasks (their prompts and metrics change between versions)."""
-    payload = {**spec.model_dump(mode="json"), "samplers": sampler_names(spec, "vfm" in upstream)}
+    payload = {**spec.model_dump(mode="json"), "decoders": decoder_names(spec, "vfm" in upstream)}
     if not spec.lm_eval_tasks:  # without tasks the lm-eval fields change nothing: keep older keys
-        for name in ("lm_eval_tasks", "lm_eval_limit", "lm_eval_sampler"):
+        for name in ("lm_eval_tasks", "lm_eval_limit", "lm_eval_decoder"):
             payload.pop(name)
     else:
         payload["lm_eval_version"] = lm_eval_version()
@@ -124,7 +94,7 @@ def export_heldout(rows: list[dict], prompts: dict[str, str], path) -> None:
 
 
 def run_lm_eval(
-    store: ArtifactStore, spec: EvalSpec, head: ArtifactRef, student: Student, dspec: dict, heldout
+    store: ArtifactStore, spec: EvalSpec, head: ArtifactRef, student: Student, dspec, heldout
 ) -> dict:
     """lm-eval's own evaluator over `spec.lm_eval_tasks` with the head's student (already loaded)."""
     import lm_eval
@@ -133,7 +103,7 @@ def run_lm_eval(
     from a2d.tasks.harness import A2DLM
 
     model = A2DLM(
-        store=store.root.uri, head=head.key, sampler=spec.lm_eval_sampler, student=student, dspec=dspec
+        store=store.root.uri, head=head.key, decoder=spec.lm_eval_decoder, student=student, dspec=dspec
     )
     results = lm_eval.simple_evaluate(
         model=model,
@@ -153,7 +123,7 @@ def correct(text: str, answer: str | None, kind: str | None) -> bool | None:
     return bundled.is_correct(text, answer, kind)
 
 
-def run_sampler(name: str, decode: Decoder, rows: list[dict], tok: Any, spec: EvalSpec) -> dict[str, Any]:
+def run_decoder(name: str, decode: Decoder, rows: list[dict], tok: Any, spec: EvalSpec) -> dict[str, Any]:
     records = []
     for r in tqdm(rows, desc=name, leave=False):
         start = time.perf_counter()
@@ -168,82 +138,17 @@ def run_sampler(name: str, decode: Decoder, rows: list[dict], tok: Any, spec: Ev
                 "seconds": seconds,
                 "correct": correct(text, r["answer"], r["kind"]),
                 "accepted": out.accepted,
+                "drafted": out.drafted,
+                "draftable": out.draftable,
                 "text": text,
             }
         )
-    summary = summarise_sampler(records)
+    summary = summarise_decoder(records)
     return {
         **summary,
         "outputs": [rec["tokens"] for rec in records],
         "examples": [rec["text"] for rec in records[:3]],
     }
-
-
-def decoders(
-    names: list[str],
-    student: Student,
-    untrained: Callable[[], Student],
-    teacher: Any,
-    tok: Any,
-    eos: list[int],
-    spec: EvalSpec,
-    dspec: dict[str, Any],
-    vfm: tuple[Any, Student] | None,
-) -> dict[str, Decoder]:
-    """One decoder per sampler name, built from the name's family and argument."""
-    n, shifted = spec.max_new_tokens, dspec["logit_alignment"] == "shifted"
-    alignment = dspec["logit_alignment"]
-
-    def ar(model: torch.nn.Module, lookup: int = 0) -> Decoder:
-        return lambda prompt: ar_decode(model, prompt, n, eos, tok.pad_token_id, lookup)
-
-    def base(lookup: int = 0) -> Decoder:
-        def run(prompt: list[int]) -> Decoded:
-            with student.base() as model:
-                return ar(model, lookup)(prompt)
-
-        return run
-
-    def threshold(s: Student, t: float, criterion: str = "confidence") -> Decoder:
-        return lambda prompt: threshold_decode(s, prompt, n, t, eos, alignment, criterion)
-
-    out: dict[str, Decoder] = {}
-    for name in names:
-        family, _, arg = name.partition(":")
-        if name == "ar:greedy":
-            out[name] = ar(teacher)
-        elif name == "ar:student-base":
-            out[name] = base()
-        elif name == "ar:prompt-lookup":
-            out[name] = base(lookup=PROMPT_LOOKUP_TOKENS)
-        elif name == "spec:head":
-            if student.attention != "block" or not student.scope.masked or not shifted:
-                continue  # recorded as skipped: the head cannot verify in its own forward
-            out[name] = lambda prompt: speculative_decode(student, prompt, n, eos)
-        elif name == "spec:head+lookup":
-            if student.attention != "block" or not student.scope.masked or not shifted:
-                continue
-            out[name] = lambda prompt: speculative_decode(student, prompt, n, eos, lookup=LOOKUP_NGRAM)
-        elif family == "head":
-            out[name] = threshold(student, 0.0 if arg == "k1" else float(arg.removeprefix("conf")))
-        elif family == "d3llm":
-            out[name] = threshold(student, float(arg.removeprefix("ent")), "entropy")
-        elif family == "vfm" and vfm is not None:
-            adapter, flow_map = vfm
-            k = int(arg.removeprefix("k"))
-            length = min(n, adapter.config["max_len"])
-            out[name] = lambda p, k=k, length=length, fm=flow_map, q=adapter: Decoded(
-                *vfm_generate(fm, q, p, length, k, eos, shifted), []
-            )
-        elif name == "spec:vfm" and vfm is not None:
-            if student.attention != "block" or not student.scope.masked or not shifted:
-                continue
-            out[name] = vfm_spec(student, *vfm, n, eos, shifted)
-        elif name == "untrained:k1":
-            out[name] = threshold(untrained(), 0.0)
-        else:
-            raise RuntimeError(f"eval lists a sampler {name!r} that no decoder is built for")
-    return out
 
 
 def evaluate(
@@ -253,7 +158,7 @@ def evaluate(
     device: str = "cpu",
     out: Path | None = None,
 ) -> dict[str, Any]:
-    """Decode the held-out prompts with every sampler; returns the metrics document.
+    """Decode the held-out prompts with every decoder; returns the metrics document.
 
     With `out`, the evaluated rows are exported there (heldout.jsonl, lm-eval's a2d_bundled task
     format), and lm-eval's results (lm_eval.json) when `spec.lm_eval_tasks` asks for tasks.
@@ -267,26 +172,29 @@ def evaluate(
     remote = teacher_stage.trusts_remote_code(store, refs["teacher"])
     teacher, tok = teacher_stage.tm.load_teacher(teacher_dir, device=device, trust_remote_code=remote)
     eos = eos_ids(teacher, tok)
-
-    def untrained() -> Student:  # same base, attention and scope, a fresh adapter and mask embedding
-        return build_student(
-            teacher_dir,
-            dspec["quantization"],
-            "float32",
-            device,
-            {"rank": 1, "alpha": 1, "dropout": 0.0, "rslora": False},
-            dspec["attention"],
-            dspec["linear_attention"] if dspec["linear_attention"] != "n/a" else "causal",
-            dspec["block_size"],
-            dspec.get("adapter_scope", "all"),
-            trust_remote_code=remote,
-        )
-
+    head_spec = HeadSpec.model_validate(store.manifest(refs["head"])["spec"])
     vfm = None
     if "vfm" in refs:
         vfm = (load_vfm(store, refs["vfm"], device), load_flow_map(store, refs["vfm"], student, device))
-    names = sampler_names(spec, "vfm" in refs)
-    built = decoders(names, student, untrained, teacher, tok, eos, spec, dspec, vfm)
+    res = registry.Resources(
+        student,
+        eos,
+        spec.max_new_tokens,
+        device=device,
+        teacher=teacher,
+        vfm=vfm,
+        pad_id=tok.pad_token_id,
+        # same base, attention and scope, a fresh rank-1 adapter and mask embedding
+        untrained=lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1),
+    )
+    names = decoder_names(spec, "vfm" in refs)
+    built, skipped = {}, {}
+    for name in names:
+        why = registry.missing(registry.describe(name), res)
+        if why:
+            skipped[name] = why
+        else:
+            built[name] = registry.build(name, res)
     lm_eval_doc = None
     if out is not None:
         prompts_ref = store.ref("prompts", store.manifest(refs["responses"])["upstream"]["prompts"])
@@ -299,15 +207,14 @@ def evaluate(
             (out / "lm_eval.json").write_text(json.dumps(lm_eval_doc, indent=2, sort_keys=True, default=str))
     results: dict[str, Any] = {}
     for name in names:
-        if name not in built:
-            results[name] = {
-                "skipped": "needs a head with attention: block, adapter_scope: masked, shifted logits"
-            }
+        if name in skipped:
+            results[name] = {"skipped": skipped[name]}
             continue
-        results[name] = run_sampler(name, built[name], rows, tok, spec)
+        results[name] = run_decoder(name, built[name], rows, tok, spec)
+        results[name]["lossless"] = registry.describe(name).lossless
     base_outputs = results["ar:student-base"]["outputs"]
-    for name in LOSSLESS:
-        if "outputs" in results.get(name, {}):
+    for name in names:
+        if name != "ar:student-base" and registry.describe(name).lossless and "outputs" in results[name]:
             got = results[name]["outputs"]
             results[name]["mismatches_vs_student_base"] = sum(
                 a != b for a, b in zip(got, base_outputs, strict=True)
@@ -316,14 +223,15 @@ def evaluate(
     ranked = {k: v for k, v in results.items() if "tpf" in v}
     aup = family_aup(ranked, metric) if metric else {}
     return {
-        "sampler_order": names,
-        "samplers": results,
+        "decoder_order": names,
+        "decoders": results,
         "aup": aup,
         "aup_metric": metric,
         "aup_metric_reason": why,
         "samples": len(rows),
         "max_new_tokens": spec.max_new_tokens,
-        "diffusion_spec": dspec,
+        "diffusion_spec": dspec.to_json(),
+        "decode_profile": dataclasses.asdict(res.profile or registry.profile_for(device)),
         "counting": COUNTING_RULES,
         "lm_eval": lm_eval_summary(lm_eval_doc) if lm_eval_doc else None,
     }
@@ -346,17 +254,17 @@ def lm_eval_summary(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def aup_metric(results: dict[str, Any]) -> tuple[str | None, str]:
-    """Answer accuracy when enough answers are right to rank samplers by it, else agreement with the teacher."""
+    """Answer accuracy when enough answers are right to rank decoders by it, else agreement with the teacher."""
     scored = [s for s in results.values() if s.get("answer_accuracy") is not None]
     best_correct = max((round(s["answer_accuracy"] * s["samples"]) for s in scored), default=0)
     if best_correct >= MIN_CORRECT_TO_RANK:
-        return "answer_accuracy", f"the best sampler answers {best_correct} prompts right"
+        return "answer_accuracy", f"the best decoder answers {best_correct} prompts right"
     if max((s.get("token_agreement") or 0.0) for s in results.values()) > 0:
         return "token_agreement", (
-            f"the best sampler answers only {best_correct} prompts right (< {MIN_CORRECT_TO_RANK}): "
-            "too few to rank samplers, so AUP uses token agreement with the teacher"
+            f"the best decoder answers only {best_correct} prompts right (< {MIN_CORRECT_TO_RANK}): "
+            "too few to rank decoders, so AUP uses token agreement with the teacher"
         )
-    return None, "no sampler agrees with the teacher at all"
+    return None, "no decoder agrees with the teacher at all"
 
 
 @task(name="eval-run", task_run_name="eval-{ref.key}", tags=["gpu"])
@@ -375,11 +283,11 @@ def eval_run(
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
         table = [
-            {"sampler": name, **{k: v for k, v in s.items() if k not in ("examples", "outputs", "ci95")}}
-            for name, s in doc["samplers"].items()
+            {"decoder": name, **{k: v for k, v in s.items() if k not in ("examples", "outputs", "ci95")}}
+            for name, s in doc["decoders"].items()
         ]
         create_table_artifact(
-            key=prefect_key("a2d", "eval", "samplers"), table=table, description="eval: every sampler"
+            key=prefect_key("a2d", "eval", "decoders"), table=table, description="eval: every decoder"
         )
         create_markdown_artifact(key=prefect_key("a2d", "eval", "report"), markdown=report_text(doc, refs))
     return store.write_marker(ref, SHARD, files, {"rows": doc["samples"], "tokens": 0, "aup": doc["aup"]})
@@ -393,7 +301,7 @@ def report_text(doc: dict[str, Any], refs: dict[str, ArtifactRef]) -> str:
         "counting": doc["counting"],
         **{f"{k} key": v.key for k, v in refs.items()},
     }
-    report = markdown_report({name: doc["samplers"][name] for name in doc["sampler_order"]}, doc["aup"], meta)
+    report = markdown_report({name: doc["decoders"][name] for name in doc["decoder_order"]}, doc["aup"], meta)
     if doc.get("lm_eval"):
         lm = doc["lm_eval"]
         lines = [
@@ -408,7 +316,7 @@ def report_text(doc: dict[str, Any], refs: dict[str, ArtifactRef]) -> str:
         model = lm["model"]
         lines += [
             "",
-            f"Sampler {model.get('a2d_sampler')}: {model.get('a2d_tokens_per_forward')} tokens per forward, "
+            f"Decoder {model.get('a2d_decoder')}: {model.get('a2d_tokens_per_forward')} tokens per forward, "
             f"{model.get('a2d_tokens_per_s')} tokens/s over {model.get('a2d_generations')} generations.",
         ]
         report += "\n".join(lines) + "\n"
@@ -419,7 +327,7 @@ def publish_report(doc: dict[str, Any], refs: dict[str, ArtifactRef], out: Path)
     """metrics.json, report.md and the plot into the shard folder; their checksums."""
     (out / "metrics.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
     (out / "report.md").write_text(report_text(doc, refs))
-    plot_speed_quality(doc["samplers"], str(out / "speed_quality.png"))
+    plot_speed_quality(doc["decoders"], str(out / "speed_quality.png"))
     return {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
 
 
@@ -429,5 +337,5 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
 
 def print_table(store: ArtifactStore, ref: ArtifactRef) -> str:
     doc = read_metrics(store, ref)
-    order = doc.get("sampler_order", list(doc["samplers"]))
-    return text_table({name: doc["samplers"][name] for name in order})
+    order = doc.get("decoder_order", list(doc["decoders"]))
+    return text_table({name: doc["decoders"][name] for name in order})

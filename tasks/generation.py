@@ -6,12 +6,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from a2d.models.generate import eos_ids, generate_batch
-from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
+from a2d.models import decoders as registry
+from a2d.models.generate import eos_ids
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
-from a2d.tasks.students import load_student
-
-SAMPLERS = ("spec", "threshold", "ar")
+from a2d.tasks.students import load_flow_map, load_student, load_vfm
 
 
 @dataclass
@@ -53,16 +51,15 @@ def generate(
     store: ArtifactStore,
     head: ArtifactRef,
     prompt: str,
-    sampler: str = "spec",
+    decoder: str = "spec:head+lookup",
     max_new_tokens: int = 64,
-    threshold: float = 0.9,
     device: str = "cpu",
     on_text: Callable[[str], None] | None = None,
 ) -> Generation:
-    """Answer one prompt (templated with the teacher's chat template) with the head's student."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}: use one of {', '.join(SAMPLERS)}")
-    student, dspec = load_student(store, head, device)
+    """Answer one prompt (templated with the teacher's chat template) with the head's student and
+    the decoder `decoder` from the registry (`a2d.models.decoders`)."""
+    registry.describe(decoder)  # an unknown name is refused before the model loads
+    student, _ = load_student(store, head, device)
     tok = student.tok
     if getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(
@@ -82,26 +79,34 @@ def generate(
             on_text(now[len(shown[0]) :])
             shown[0] = now
 
+    vfm = None
+    if registry.describe(decoder).family in ("vfm",) or decoder == "spec:vfm":
+        ref = newest_vfm(store, head)
+        vfm = (load_vfm(store, ref, device), load_flow_map(store, ref, student, device))
+    res = registry.Resources(student, eos, max_new_tokens, device=device, vfm=vfm, pad_id=tok.pad_token_id)
+    run = registry.build(decoder, res, on_step=on_step)
     start = time.perf_counter()
-    if sampler == "spec":
-        out = speculative_decode(student, ids, max_new_tokens, eos, on_step=on_step, lookup=3)
-    elif sampler == "threshold":
-        out = threshold_decode(
-            student, ids, max_new_tokens, threshold, eos, dspec["logit_alignment"], on_step=on_step
-        )
-    else:
-        with student.base() as base:
-            tokens = generate_batch(base, [ids], max_new_tokens, eos, tok.pad_token_id).response_ids[0]
-        out = Decoded(tokens, len(tokens), list(range(1, len(tokens) + 1)))
-        steps = [[i] for i in range(len(tokens))]
-        if on_text is not None:
-            on_text(tok.decode(tokens, skip_special_tokens=True))
+    out = run(ids)
     seconds = time.perf_counter() - start
     final = tok.decode(out.tokens, skip_special_tokens=True)
-    if on_text is not None and final.startswith(shown[0]) and sampler != "ar":
+    if not steps:  # a decoder without per-forward steps (AR): one token per forward
+        steps = [[i] for i in range(len(out.tokens))]
+    if on_text is not None and final.startswith(shown[0]):
         on_text(final[len(shown[0]) :])
     pieces = [tok.decode([t]) for t in out.tokens]
     return Generation(final, out.tokens, out.forwards, seconds, steps, pieces)
+
+
+def newest_vfm(store: ArtifactStore, head: ArtifactRef) -> ArtifactRef:
+    """The newest complete vfm artifact trained on `head`; an error saying what to run when none is."""
+    vfms = [
+        r
+        for r in store.iter_refs("vfm")
+        if store.is_complete(r) and store.manifest(r)["upstream"].get("head") == head.key
+    ]
+    if not vfms:
+        raise ValueError(f"no vfm artifact of head {head.key}: run `a2d run CONFIG --until vfm` first")
+    return max(vfms, key=lambda r: store.manifest(r)["created"])
 
 
 def render_steps(gen: Generation) -> str:

@@ -1,7 +1,7 @@
-"""a2d as an lm-evaluation-harness model: `lm_eval --model a2d --model_args store=URI,head=KEY,sampler=spec`.
+"""a2d as an lm-evaluation-harness model: `lm_eval --model a2d --model_args store=URI,head=KEY,decoder=spec:head`.
 
-- `generate_until` decodes with an a2d sampler (spec, threshold, entropy, vfm, ar), honouring the
-  request's `until` strings and `max_gen_toks`;
+- `generate_until` decodes with a decoder from the registry (`a2d.models.decoders`: spec:head,
+  threshold:0.9, vfm:k1, ar:student-base, ...), honouring the request's `until` strings and `max_gen_toks`;
 - `loglikelihood` and `loglikelihood_rolling` score with the student's base model as an AR model
   (adapters off, causal): exact log-probabilities, so multiple-choice tasks work too;
 - every generation's forwards and tokens are counted, and the run's totals (tokens per forward,
@@ -20,78 +20,62 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from a2d.models import decoders as registry
+from a2d.models.block_decode import Decoded
 from a2d.models.generate import eos_ids
-from a2d.models.sampler import Decoded, ar_decode, speculative_decode, threshold_decode
 from a2d.models.student import Student
-from a2d.models.vfm import vfm_generate
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.generation import find_head
 from a2d.tasks.students import load_flow_map, load_student, load_vfm
 
-SAMPLERS = ("spec", "threshold", "entropy", "vfm", "ar")
-
 
 @register_model("a2d")
 class A2DLM(LM):
-    """An a2d head (and optionally its VFM) from a store, decoding with one sampler."""
+    """An a2d head (and optionally its VFM) from a store, decoding with one registry decoder."""
 
     def __init__(
         self,
         store: str = "./a2d-store",
         head: str | None = None,
-        sampler: str = "spec",
-        threshold: float = 0.9,
+        decoder: str = "spec:head",
         vfm: str | None = None,
-        vfm_steps: int = 1,
         max_gen_toks: int = 256,
         device: str = "cpu",
         student: Student | None = None,
-        dspec: dict | None = None,
+        dspec=None,
         **_: Any,
     ) -> None:
         super().__init__()
-        if sampler not in SAMPLERS:
-            raise ValueError(f"a2d sampler {sampler!r} unknown: use one of {', '.join(SAMPLERS)}")
+        info = registry.describe(decoder)  # an unknown name is refused before anything loads
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line defaults to cuda; a CPU machine runs on the CPU
         self.store = ArtifactStore(store)
         self.head_ref = find_head(self.store, head)
         if student is None:
             student, dspec = load_student(self.store, self.head_ref, device)
-        self.student, self.dspec = student, dspec or {}
-        self.sampler, self.threshold = sampler, float(threshold)
+        self.student, self.dspec = student, dspec
+        self.decoder = decoder
         self.max_gen_toks = int(max_gen_toks)
-        self.vfm = None
-        if sampler == "vfm":
+        loaded = None
+        if "vfm" in info.needs:
             if not vfm:
-                raise ValueError("sampler=vfm needs vfm=KEY (a vfm artifact of this head)")
+                raise ValueError(f"decoder={decoder} needs vfm=KEY (a vfm artifact of this head)")
             ref = self.store.find(f"vfm/{vfm}")
-            self.vfm = (load_vfm(self.store, ref, device), load_flow_map(self.store, ref, student, device))
-            self.vfm_steps = int(vfm_steps)
+            loaded = (load_vfm(self.store, ref, device), load_flow_map(self.store, ref, student, device))
         self.tok = student.tok
         self.eos = eos_ids(student.inner, self.tok)
+        self.device, self.vfm = device, loaded
+        self._built: dict[int, registry.Decoder] = {}  # one decoder per budget
         self.totals = {"requests": 0, "tokens": 0, "forwards": 0, "seconds": 0.0}
 
     # -- generation ------------------------------------------------------------------------------------------
     def _decode(self, ids: list[int], budget: int) -> Decoded:
-        s = self.student
-        alignment = self.dspec.get("logit_alignment", "shifted")
-        if self.sampler == "spec":
-            return speculative_decode(s, ids, budget, self.eos)
-        if self.sampler in ("threshold", "entropy"):
-            criterion = "confidence" if self.sampler == "threshold" else "entropy"
-            return threshold_decode(s, ids, budget, self.threshold, self.eos, alignment, criterion)
-        if self.sampler == "vfm":
-            adapter, flow_map = self.vfm
-            length = min(budget, adapter.config["max_len"])
-            return Decoded(
-                *vfm_generate(
-                    flow_map, adapter, ids, length, self.vfm_steps, self.eos, alignment == "shifted"
-                ),
-                [],
+        if budget not in self._built:
+            res = registry.Resources(
+                self.student, self.eos, budget, device=self.device, vfm=self.vfm, pad_id=self.tok.pad_token_id
             )
-        with s.base() as base:
-            return ar_decode(base, ids, budget, self.eos, self.tok.pad_token_id)
+            self._built[budget] = registry.build(self.decoder, res)
+        return self._built[budget](ids)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
@@ -157,7 +141,7 @@ class A2DLM(LM):
         t = self.totals
         return {
             "a2d_head": self.head_ref.key,
-            "a2d_sampler": self.sampler,
+            "a2d_decoder": self.decoder,
             "a2d_generations": t["requests"],
             "a2d_generated_tokens": t["tokens"],
             "a2d_forwards": t["forwards"],

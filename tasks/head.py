@@ -14,6 +14,7 @@ from typing import Any
 from prefect import task
 from tqdm import tqdm
 
+from a2d.models.student import DiffusionSpec
 from a2d.models.teacher import resolve_device
 from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
 from a2d.stores import checkpoints
@@ -179,21 +180,21 @@ def head_train(
             f"(newest: {last.name if last else 'none'}); rerun the head stage to resume"
         )
     info = result.get("student", {})
-    diffusion_spec = {
-        "mask_id": info["mask_id"],
-        "attention": spec.attention,
-        "adapter_scope": spec.adapter_scope,
-        "linear_attention": spec.linear_attention if info["linear_attention_layers"] else "n/a",
-        "linear_attention_layers": info["linear_attention_layers"],
-        "logit_alignment": spec.logit_alignment,
-        "block_size": spec.block_size,
-        "teacher_key": teacher.key,
-        "quantization": info["quantization"],
-        "quantization_fallback": info.get("fallback"),
-        "lora_modules": info["lora_modules"],
-        "lora_targets": info["target_names"],
-        "steps": spec.steps,
-    }
+    diffusion_spec = DiffusionSpec(
+        mask_id=info["mask_id"],
+        attention=spec.attention,
+        adapter_scope=spec.adapter_scope,
+        linear_attention=spec.linear_attention if info["linear_attention_layers"] else "n/a",
+        linear_attention_layers=info["linear_attention_layers"],
+        logit_alignment=spec.logit_alignment,
+        block_size=spec.block_size,
+        teacher_key=teacher.key,
+        quantization=info["quantization"],
+        quantization_fallback=info.get("fallback"),
+        lora_modules=info["lora_modules"],
+        lora_targets=tuple(info["target_names"]),
+        steps=spec.steps,
+    ).to_json()
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)
         shutil.copy(last / "extras.safetensors", out / "extras.safetensors")

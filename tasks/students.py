@@ -5,11 +5,10 @@ The head, VFM, trajectories (diffusion-decode source) and eval stages all decode
 
 from __future__ import annotations
 
-from typing import Any
-
 from safetensors.torch import load_file
 
-from a2d.models.student import Student, apply_lora, build_student, lora_parameters
+from a2d.models import fast_lora
+from a2d.models.student import DiffusionSpec, Student, apply_lora, build_student, lora_parameters
 from a2d.models.vfm import NoiseAdapter
 from a2d.specs import HeadSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, cache_root
@@ -20,32 +19,67 @@ VFM_SHARD = "noise_adapter"  # the vfm artifact's one shard
 FLOW_MAP_LORA = "flow_map_lora.safetensors"  # jointly tuned LoRA tensors, by parameter name
 
 
+def head_student(
+    teacher_dir,
+    spec: HeadSpec,
+    device: str,
+    trust_remote_code: bool,
+    adapter_dir=None,
+    dropout: float | None = None,
+    rank: int | None = None,
+    gradient_checkpointing: bool = False,
+) -> Student:
+    """The one place a head's student is built from its spec: for training (fresh adapter), for
+    decoding (`adapter_dir`, dropout 0) and for the eval's untrained baseline (`rank`)."""
+    lora = {
+        "rank": rank or spec.lora_rank,
+        "alpha": rank or spec.lora_alpha,
+        "dropout": spec.lora_dropout if dropout is None else dropout,
+        "rslora": spec.rslora,
+    }
+    return build_student(
+        teacher_dir,
+        spec.quantization,
+        spec.dtype,
+        device,
+        lora,
+        spec.attention,
+        spec.linear_attention,
+        spec.block_size,
+        spec.adapter_scope,
+        gradient_checkpointing,
+        adapter_dir=adapter_dir,
+        trust_remote_code=trust_remote_code,
+    )
+
+
 def load_student(
     store: ArtifactStore, ref: ArtifactRef, device: str = "cpu"
-) -> tuple[Student, dict[str, Any]]:
-    """The trained student of a complete head artifact, ready for decoding, and its diffusion spec."""
+) -> tuple[Student, DiffusionSpec]:
+    """The trained student of a complete head artifact, ready for decoding, and its diffusion spec.
+
+    Under `adapter_scope: masked` its LoRA runs the lean decode path (`a2d.models.fast_lora`).
+    """
     manifest = store.manifest(ref)
-    dspec = manifest["metrics"]["diffusion_spec"]
+    dspec = DiffusionSpec.from_json(manifest["metrics"]["diffusion_spec"])
     spec = HeadSpec.model_validate(manifest["spec"])
     teacher_ref = store.ref("teacher", manifest["upstream"]["teacher"])
     adapter = store.local_copy(ref, HEAD_SHARD, cache_root())
     # A damaged adapter or teacher file (reused unverified) is named, not a safetensors error.
     with store.reading(ref), store.reading(teacher_ref):
-        student = build_student(
+        remote = teacher_stage.trusts_remote_code(store, teacher_ref)
+        student = head_student(
             teacher_stage.local_dir(store, teacher_ref),
-            spec.quantization,
-            spec.dtype,
+            spec,
             device,
-            {"rank": spec.lora_rank, "alpha": spec.lora_alpha, "dropout": 0.0, "rslora": spec.rslora},
-            spec.attention,
-            spec.linear_attention,
-            spec.block_size,
-            spec.adapter_scope,
+            remote,
             adapter_dir=adapter,
-            trust_remote_code=teacher_stage.trusts_remote_code(store, teacher_ref),
+            dropout=0.0,
         )
         student.load_extras(load_file(adapter / "extras.safetensors"))
     student.model.eval()
+    if student.scope.masked:
+        fast_lora.install(student.model, student.scope)
     return student, dspec
 
 

@@ -27,7 +27,7 @@ from a2d.models.canvas import freeze_linear_states, new_cache, select_rows
 from a2d.models.capture import capture_layers
 from a2d.models.generate import eos_ids
 from a2d.models.losses import alignment_loss, masked_diffusion_loss, time_weight
-from a2d.models.student import Student, build_student, lm_head, student_forward
+from a2d.models.student import Student, lm_head, student_forward
 from a2d.models.teacher import autocast, resolve_precision
 from a2d.models.views import ViewSampler, build_batch
 from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
@@ -37,6 +37,7 @@ from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.stores.readers import check_same_responses, read_responses, read_trajectories
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.interrupt import StopFlag
+from a2d.tasks.students import head_student
 from a2d.tasks.tracking import Tracker
 
 
@@ -229,23 +230,12 @@ def setup(job: TrainJob) -> Run:
     accelerator = Accelerator(cpu=job.device == "cpu")
     torch.manual_seed(spec.seed)
     store = ArtifactStore(job.store_uri)
-    student = build_student(
+    student = head_student(
         teacher_stage.local_dir(store, job.teacher),
-        spec.quantization,
-        spec.dtype,
+        spec,
         str(accelerator.device),
-        {
-            "rank": spec.lora_rank,
-            "alpha": spec.lora_alpha,
-            "dropout": spec.lora_dropout,
-            "rslora": spec.rslora,
-        },
-        spec.attention,
-        spec.linear_attention,
-        spec.block_size,
-        spec.adapter_scope,
-        opts.gradient_checkpointing,
-        trust_remote_code=job.teacher_spec.trust_remote_code,
+        job.teacher_spec.trust_remote_code,
+        gradient_checkpointing=opts.gradient_checkpointing,
     )
     reader = AnchorReader(store, job.anchors)
     reader.check(teacher_key=job.teacher.key, capture="residual")

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 from prefect import task
 
-from a2d.models.sampler import forced_commit_steps
+from a2d.models.block_decode import forced_commit_steps
 from a2d.models.trajectory import confidence_trajectory
 from a2d.specs import TrajectorySpec
 from a2d.stores.anchors import AnchorReader

@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from a2d.models import canvas as canvas_module
+from a2d.models import decoders as registry
+from a2d.models import fast_lora
+from a2d.models.ar import ar_decode
+from a2d.models.block_decode import Decoded, threshold_decode
 from a2d.models.canvas import Canvas
 from a2d.models.generate import generate_batch
-from a2d.models.sampler import Decoded, speculative_decode, threshold_decode
-from a2d.models.student import lm_head
+from a2d.models.speculative import Drafter, HeadDrafter, Proposal, VFMDrafter, speculative_decode
+from a2d.models.student import lm_head, student_forward
 from a2d.models.views import BlockView, build_batch
 from tests.conftest import ARCHS, trained_like
 
@@ -81,21 +85,43 @@ def test_a_rejected_draft_rolls_the_cache_back(small_teachers, arch):
     assert nxt == truth[3]
 
 
+class Scripted(Drafter):
+    """An external drafter: `draft(done)` gives the drafts after the response so far."""
+
+    def __init__(self, prompt, draft):
+        self.prompt, self.draft = prompt, draft
+
+    def start(self, canvas):
+        return Proposal(self.draft([]))
+
+    def propose(self, canvas, accepted, region, remaining, sampling):
+        return Proposal(self.draft(canvas.tokens[len(self.prompt) :]))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_speculative_decoding_is_the_base_model(small_teachers, arch):
+def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
+    """Every registry decoder flagged lossless gives the base's greedy tokens, on both architectures
+    (the hybrid too: a2d's own prompt lookup, where transformers refuses stateful models)."""
     student = trained_like(small_teachers, arch)
-    for prompt in (PROMPT, PROMPT[:3], [258, 300, 301, 302, 303, 10] * 3):
-        out = speculative_decode(student, prompt, 20, EOS)
-        assert out.tokens == base_greedy(student, prompt, 20)
-        assert sum(out.accepted) == len(out.tokens) and len(out.accepted) == out.forwards
-        looked = speculative_decode(student, prompt, 20, EOS, lookup=3)  # n-gram drafts, same verifier
-        assert looked.tokens == out.tokens and sum(looked.accepted) == len(looked.tokens)
-        short = speculative_decode(student, prompt, 20, EOS, draft_len=2)  # 2 masks per forward
-        assert short.tokens == out.tokens and max(short.accepted) <= 3
+    fast_lora.install(student.model, student.scope)
+    res = registry.Resources(student, EOS, 14)
+    lossless = ["ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
+    assert all(registry.describe(n).lossless for n in lossless)
+    for prompt in (PROMPT[:3], [258, 300, 301, 302, 303, 10] * 3):
+        truth = base_greedy(student, prompt, 14)
+        for name in lossless:
+            out = registry.build(name, res)(prompt)
+            assert out.tokens == truth, name
+            if name.startswith("spec:head"):  # every forward after the prompt's carries the head's drafts
+                assert all(d > 0 for d, ok in zip(out.drafted, out.draftable, strict=True) if ok)
+                assert len(out.drafted) == out.forwards and max(out.drafted) <= 4
+    if arch == "qwen3_5":
+        with pytest.raises(ValueError, match="stateful"):
+            registry.build("hf:prompt-lookup", res)
 
 
 def test_ngram_drafts_copy_what_followed_the_latest_longest_match():
-    from a2d.models.sampler import ngram_drafts
+    from a2d.models.speculative import ngram_drafts
 
     ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert ngram_drafts(ctx, 3, 2) == [7, 8]  # [2, 3] last seen before 7 (the 3-gram [5, 2, 3] never was)
@@ -108,13 +134,91 @@ def test_good_drafts_are_accepted_a_block_per_forward_and_bad_ones_cost_nothing(
     always wrong still gain the base's next token per forward; the output is the base's either way."""
     student = trained_like(small_teachers, "llama")
     truth = base_greedy(student, PROMPT, 16)
-    good = speculative_decode(student, PROMPT, 16, EOS, drafter=lambda done: truth[len(done) : len(done) + 4])
-    assert good.tokens == truth and good.accepted[:3] == [5, 5, 5]  # 4 drafts held + the base's next token
-    assert good.forwards == 4
+    good = speculative_decode(student, PROMPT, 16, EOS, Scripted(PROMPT, lambda done: truth[len(done) : len(done) + 4]))
+    assert good.tokens == truth and good.accepted[:3] == [4, 4, 4]  # 4 drafts held (+ the base's next token)
+    assert good.forwards == 4 and good.drafted == [4, 4, 4, 0]  # 1 token left: nothing to draft
     bad = speculative_decode(
-        student, PROMPT, 16, EOS, drafter=lambda done: [(t + 1) % 250 for t in truth[len(done) :][:4]]
+        student, PROMPT, 16, EOS, Scripted(PROMPT, lambda done: [(t + 1) % 250 for t in truth[len(done) :][:4]])
     )
-    assert bad.tokens == truth and bad.accepted == [1] * 16 and bad.forwards == 16
+    assert bad.tokens == truth and bad.accepted == [0] * 16 and bad.forwards == 16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_mask_run_sees_what_a_forward_after_that_acceptance_sees(small_teachers, arch):
+    """Tree attention: the run attached after draft a (positions, visible keys, Gated DeltaNet state)
+    gives the states a forward would give after committing the first a drafts; the clean rows are
+    the unbranched forward's, so verification is unchanged."""
+    student = trained_like(small_teachers, arch)
+    mask, drafts, m = student.info.mask_id, [5, 6, 7], 2
+
+    def canvas(committed):
+        c = Canvas(student, PROMPT, cached=True)
+        c.forward([], [mask])
+        c.keep(-1)
+        c.commit(committed)
+        return c
+
+    branched = canvas([9]).forward(drafts, [mask] * (4 * m), [(a, m) for a in range(4)])
+    region = branched[-4 * m :]
+    for a in range(4):
+        alone = canvas([9] + drafts[:a]).forward([], [mask] * m)[-m:]
+        torch.testing.assert_close(region[a * m : (a + 1) * m], alone, atol=1e-5, rtol=0)
+    plain = canvas([9]).forward(drafts, [])
+    torch.testing.assert_close(branched[: plain.shape[0]], plain, atol=1e-5, rtol=0)
+    assert (region[:m] - region[m : 2 * m]).abs().max() > 1e-3  # the runs do differ
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch):
+    """The decode fast path computes what PEFT's wrappers compute (the trained model), and the
+    adapter really acts on the open rows only."""
+    student = trained_like(small_teachers, arch)
+    mask = student.info.mask_id
+    ids = torch.tensor([PROMPT + [mask] * 4])
+    pad, open_ = torch.ones_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    open_[:, -4:] = True
+    with torch.no_grad():
+        trained = lm_head(student)(student_forward(student, ids, pad, open_))
+        assert fast_lora.install(student.model, student.scope) == student.info.lora_modules
+        lean = lm_head(student)(student_forward(student, ids, pad, open_))
+        with student.base() as base:
+            plain = base(ids).logits
+    torch.testing.assert_close(lean, trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lean[:, :-4], plain[:, :-4], atol=1e-5, rtol=0)  # clean rows: the base
+    assert (lean[:, -3:] - plain[:, -3:]).abs().max() > 1e-2  # open rows: the adapter acts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a2d_ar_decode_is_transformers_greedy(small_teachers, arch):
+    student = trained_like(small_teachers, arch)
+    for prompt in (PROMPT, PROMPT[:2]):
+        with student.base() as model:
+            out = ar_decode(model, prompt, 12, EOS)
+        assert out.tokens == base_greedy(student, prompt, 12) and out.forwards == len(out.tokens)
+
+
+def test_the_vfm_drafts_from_the_verifier_states_and_counts_only_its_drafts(small_teachers):
+    """spec:vfm: lossless; no forward re-encodes the prompt (each fed token is fed once, save the
+    newest which the flow-map forward and the verify forward both see); accepted counts drafts only."""
+    from a2d.models.vfm import NoiseAdapter
+
+    student = trained_like(small_teachers, "llama", block=4)
+    adapter = NoiseAdapter(64, 8, width=16, layers=1, heads=2)
+    fed = []
+    real = canvas_module.student_forward
+
+    def record(s, ids, pad, open_, **kw):
+        fed.append(int(pad.shape[1]))
+        return real(s, ids, pad, open_, **kw)
+
+    canvas_module.student_forward = record
+    try:
+        out = speculative_decode(student, PROMPT, 12, EOS, VFMDrafter(student, adapter, 4, shifted=True))
+    finally:
+        canvas_module.student_forward = real
+    assert out.tokens == base_greedy(student, PROMPT, 12)
+    assert out.forwards == len(fed) and max(fed[1:]) <= 1 + 3 + 1  # newest + 3 drafts or z, never the prompt
+    assert sum(out.accepted) + len(out.drafted) <= len(out.tokens)  # landed base tokens are not "accepted"
 
 
 def test_sampled_speculative_decoding_has_the_base_distribution(small_teachers):
@@ -127,7 +231,7 @@ def test_sampled_speculative_decoding_has_the_base_distribution(small_teachers):
     firsts, pairs = [], []
     for seed in range(600):
         gen = torch.Generator().manual_seed(seed)
-        out = speculative_decode(student, prompt, 2, [], temperature=1.0, generator=gen)
+        out = speculative_decode(student, prompt, 2, [], HeadDrafter(student, 2), temperature=1.0, generator=gen)
         firsts.append(out.tokens[0])
         pairs.append(tuple(out.tokens))
     top = torch.topk(p1, 6).indices.tolist()
@@ -151,7 +255,7 @@ def test_tpf_is_pinned_for_a_hand_made_case(small_teachers, monkeypatch):
     positions 0 (the exact base token, though only 0.3 sure), 1 (0.95) and 3 (0.99); forward 2
     commits 2 (now the exact first one); forward 3 commits 4, 5 (0.97), 6 = EOS (0.98) and 7, and
     EOS has every earlier position committed, so the answer ends: 7 tokens in 3 forwards."""
-    import a2d.models.sampler as sampler_module
+    import a2d.models.block_decode as sampler_module
 
     student = trained_like(small_teachers, "llama")
     prompt = [5, 6, 7]
@@ -185,17 +289,6 @@ def test_tpf_is_pinned_for_a_hand_made_case(small_teachers, monkeypatch):
     assert out.commit_step == [1, 1, 2, 1, 3, 3, 3]
     whole = threshold_decode(student, prompt, 20, 0.0, [2])  # head:k1: a whole block per forward
     assert whole.tokens == tokens[:7] and whole.forwards == 2
-
-
-def test_the_vfm_prompt_forward_is_counted(small_teachers):
-    from a2d.models.vfm import NoiseAdapter, vfm_generate
-
-    student = trained_like(small_teachers, "llama")
-    adapter = NoiseAdapter(64, 8, width=16, layers=1, heads=2)
-    tokens, forwards = vfm_generate(student, adapter, PROMPT, 8, 1, EOS, shifted=True)
-    assert forwards == 2 and 1 <= len(tokens) <= 8  # q(z | prompt) needs the prompt forward
-    _, forwards = vfm_generate(student, adapter, PROMPT, 8, 3, [], shifted=True)
-    assert forwards == 4
 
 
 # -- training sees what decoding sees ---------------------------------------------------------------------

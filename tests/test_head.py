@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from a2d.flows.pipeline import STEPS, pipeline
 from a2d.flows.pipeline import plan as pipeline_plan
-from a2d.models.sampler import threshold_decode
+from a2d.models.block_decode import threshold_decode
 from a2d.models.student import BidirectionalScan, build_student, lm_head, student_forward
 from a2d.models.teacher import build_random_teacher
 from a2d.specs import TrainOptions

@@ -1,0 +1,325 @@
+"""Lossless speculative decoding: one loop verifies any `Drafter` with the student's base model.
+
+Each verify forward feeds, on the exact prefix cache of `a2d.models.canvas`,
+
+    [pending committed tokens (at least the newest), drafts d_1..d_k, the drafter's open region]
+
+The clean positions are the base model exactly (`adapter_scope: masked`), so their logits verify the
+drafts: greedy keeps the longest prefix equal to the base's argmax plus the base's own next token;
+temperature > 0 keeps draft i with probability min(1, p_i/q_i) and draws the next token from the
+residual (Leviathan et al. 2023). Either way the output is the base model's, token for token (greedy)
+or in distribution (sampling). The mask row never gets mass: the base's verify logits drop it.
+
+Drafters (what proposes d_1..d_k and what it costs):
+- `HeadDrafter`: the head's masks. The open region holds one run of masks *per acceptance length*
+  (tree attention: run a sits after d_a and sees the prefix up to there), so whatever the verify
+  accepts, the run behind the accepted prefix has already drafted the next tokens: no forward goes
+  without drafts after the first. Costs no forward of its own (it rides in the verify forward).
+- `LookupDrafter`: n-gram lookup in the prompt and output (prompt-lookup decoding); no forward.
+- `HeadLookupDrafter`: both; per forward the lookup continuation wins where it agrees with the
+  head's first draft (it extends it), else the head's.
+- `VFMDrafter`: the VFM's one-step block, conditioned on the verifier's own states (no re-encoded
+  prompt); its flow-map forward is counted, and the base's next token it computes on a clean row
+  lands directly (it is exact), so accepted drafts count only what the VFM drafted.
+- `ModelDrafter`: an external causal LM drafting greedily with its own cache; its forwards count.
+
+Counts (`Decoded`): `forwards` is every model call (verify, flow-map and drafter forwards);
+`drafted[i]` / `accepted[i]` are the drafts fed to verify forward i and how many of them held.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from a2d.models.block_decode import Decoded, OnStep, cut_at_eos
+from a2d.models.canvas import Canvas
+from a2d.models.student import Student, lm_head
+
+Runs = list[tuple[int, int]]  # (attach, length) per open run, see Canvas.forward
+
+
+class Proposal:
+    """Drafts for the next verify forward (and the distributions they were drawn from, sampling)."""
+
+    def __init__(self, tokens: list[int] | None = None, q: torch.Tensor | None = None, landed=None):
+        self.tokens = list(tokens or [])
+        self.q = q  # (k, V) or None
+        self.landed = list(landed or [])  # base tokens a drafter's own clean forward computed (exact)
+
+
+class Drafter:
+    """Proposes the next tokens from the context and what the last verify forward computed."""
+
+    samples = False  # gives draft distributions, so it can serve temperature > 0
+    forwards = 0  # forwards it ran itself, beyond the verify forwards
+
+    def start(self, canvas: Canvas) -> Proposal:
+        """Drafts for the first forward (from the prompt alone)."""
+        return Proposal()
+
+    def region(self, n_drafts: int, remaining: int) -> tuple[list[int], Runs | None]:
+        """The open region fed after `n_drafts` drafts when `remaining` tokens may still land."""
+        return [], None
+
+    def propose(
+        self, canvas: Canvas, accepted: int, region: torch.Tensor, remaining: int, sampling
+    ) -> Proposal:
+        """Drafts for the next forward: `accepted` drafts held, `region` (n, H) the open rows'
+        states of the forward just run, `remaining` tokens may still land after this one."""
+        raise NotImplementedError
+
+
+class HeadDrafter(Drafter):
+    """The head's masks, one run per acceptance length, `masks` per run (trimmed to the budget)."""
+
+    samples = True
+
+    def __init__(self, student: Student, masks: int):
+        if student.attention != "block" or not student.scope.masked:
+            raise ValueError(
+                "the head drafts in the verify forward only with attention: block, adapter_scope: masked"
+            )
+        self.student, self.masks = student, max(1, min(masks, student.block_size))
+        self._runs: dict[int, tuple[int, int]] = {}  # attach -> (first row in the region, length)
+
+    def region(self, n_drafts: int, remaining: int) -> tuple[list[int], Runs | None]:
+        runs, self._runs, row = [], {}, 0
+        for attach in range(n_drafts + 1):
+            # after `attach` drafts and the correction land, the next forward lands at most
+            # remaining - attach - 1 tokens, one of them its own correction
+            n = min(self.masks, remaining - attach - 2)
+            if n > 0:
+                runs.append((attach, n))
+                self._runs[attach] = (row, n)
+                row += n
+        return [self.student.info.mask_id] * row, runs
+
+    def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
+        if accepted not in self._runs:
+            return Proposal()
+        row, n = self._runs[accepted]
+        logits = lm_head(self.student)(region[row : row + n]).float()  # (n, V)
+        logits[:, self.student.info.mask_id] = float("-inf")  # a draft is never the mask token
+        if sampling is None:
+            return Proposal(logits.argmax(-1).tolist())
+        temperature, generator = sampling
+        q = torch.softmax(logits / temperature, -1)
+        return Proposal(torch.multinomial(q, 1, generator=generator).flatten().tolist(), q)
+
+
+def ngram_drafts(context: list[int], max_ngram: int, count: int) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the context's last n
+    tokens, for the longest n <= max_ngram that occurred; [] where none did."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                return context[start + n : start + n + count]
+    return []
+
+
+class LookupDrafter(Drafter):
+    """Prompt-lookup drafting: what followed the longest recent n-gram (n <= `max_ngram`), `draft_len` tokens."""
+
+    def __init__(self, max_ngram: int, draft_len: int):
+        self.max_ngram, self.draft_len = max_ngram, draft_len
+
+    def start(self, canvas: Canvas) -> Proposal:
+        return Proposal(ngram_drafts(canvas.tokens, self.max_ngram, self.draft_len))
+
+    def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
+        return Proposal(ngram_drafts(canvas.tokens, self.max_ngram, self.draft_len))
+
+
+class HeadLookupDrafter(HeadDrafter):
+    """The head's mask runs, and n-gram lookup: the lookup continuation wins a forward where its
+    first token agrees with the head's first draft (it extends the head's guess), else the head's."""
+
+    samples = False
+
+    def __init__(self, student: Student, masks: int, max_ngram: int, draft_len: int):
+        super().__init__(student, masks)
+        self.lookup = LookupDrafter(max_ngram, draft_len)
+
+    def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
+        head = super().propose(canvas, accepted, region, remaining, None)
+        look = self.lookup.propose(canvas, accepted, region, remaining, None).tokens
+        if look and (not head.tokens or look[0] == head.tokens[0]) and len(look) > len(head.tokens):
+            return Proposal(look)
+        return head
+
+
+class ModelDrafter(Drafter):
+    """An external causal LM (same tokenizer) drafting `draft_len` tokens greedily with its own KV
+    cache, cropped back to the committed tokens after every verify; each of its calls counts."""
+
+    def __init__(self, model: torch.nn.Module, draft_len: int):
+        from transformers import DynamicCache
+
+        if any(hasattr(m, "linear_attn") for m in model.modules()):
+            raise ValueError("an external drafter needs an attention-only model (its cache is cropped)")
+        self.model, self.draft_len = model, draft_len
+        self.cache, self.cached = DynamicCache(config=model.config), 0  # tokens its cache holds
+        self.device = next(model.parameters()).device
+
+    def _draft(self, context: list[int], count: int) -> list[int]:
+        if count <= 0:
+            return []
+        self.cache.crop(min(self.cached, len(context) - 1))
+        self.cached = self.cache.get_seq_length()
+        feed, out = context[self.cached :], []
+        for _ in range(count):
+            ids = torch.tensor([feed], device=self.device)
+            logits = self.model(
+                input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1
+            ).logits
+            self.forwards += 1
+            feed = [int(logits[0, -1].argmax())]
+            out.append(feed[0])
+        self.cached = self.cache.get_seq_length()  # context + all drafts but the last
+        return out
+
+    def start(self, canvas: Canvas) -> Proposal:
+        return Proposal()
+
+    def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
+        return Proposal(self._draft(canvas.tokens, min(self.draft_len, remaining - 1)))
+
+
+class VFMDrafter(Drafter):
+    """The VFM's one-step block from the verifier's committed states.
+
+    q(z | states) reads the base's final states of the committed tokens, which the verify forwards
+    already computed (each committed token is fed once). The flow-map forward feeds the newest token
+    (clean: its row is the base's exact next-token prediction) and z; the base token lands at once
+    and the z rows' predictions after it are the drafts.
+    """
+
+    def __init__(self, flow_map: Student, adapter: torch.nn.Module, block: int, shifted: bool):
+        if not shifted:
+            raise ValueError(
+                "VFM drafting needs shifted logits (the first position is the base's next token)"
+            )
+        self.flow_map, self.adapter = flow_map, adapter
+        self.length = min(block, adapter.config["max_len"])
+        self.states: list[torch.Tensor] = []  # (n, H) committed states, in order
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.states.append(hidden)
+
+    def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
+        length = min(self.length, remaining)
+        if length < 2:
+            return Proposal()
+        states = torch.cat(self.states)[None]  # (1, N, H)
+        mu, _ = self.adapter(states, torch.ones(states.shape[:2], device=states.device), length)
+        z = self.adapter.embed(mu)[0, : length - 1]  # (L - 1, H): the positions after the base's token
+        hidden = canvas.forward(
+            [], z.to(states.dtype), student=self.flow_map
+        )  # (pending + L - 1, H); counted there
+        n_pending = hidden.shape[0] - z.shape[0]
+        self.states.append(hidden[:n_pending])
+        canvas.keep(0)  # the pending tokens enter the cache; z never does
+        logits = lm_head(self.flow_map)(hidden[n_pending - 1 :]).float()  # (L, V)
+        logits[:, self.flow_map.info.mask_id] = float("-inf")
+        tokens = logits.argmax(-1).tolist()
+        return Proposal(tokens[1:], landed=tokens[:1])
+
+
+@torch.no_grad()
+def speculative_decode(
+    student: Student,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    drafter: Drafter,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    on_step: OnStep | None = None,
+    draft_len: int = 8,
+) -> Decoded:
+    """Decode one prompt with `drafter`'s proposals verified by the student's base (see the module doc).
+
+    `draft_len` caps the drafts per verify forward (a forward's cost grows with what it is fed).
+    """
+    if temperature > 0 and not drafter.samples:
+        raise ValueError(f"{type(drafter).__name__} gives no draft distribution: use it with temperature 0")
+    sampling = (temperature, generator) if temperature > 0 else None
+    eos = set(eos_ids)
+    canvas = Canvas(student, prompt, cached=True)
+    head = lm_head(student)
+    out: list[int] = []
+    steps: list[int] = []
+    drafted: list[int] = []
+    accepted: list[int] = []
+    draftable: list[bool] = []
+    proposal = drafter.start(canvas)
+    while len(out) < max_new_tokens:
+        stop = False
+        if proposal.landed:  # base tokens a drafter's clean row computed: exact, no verify needed
+            new, stop = cut_at_eos(proposal.landed[: max_new_tokens - len(out)], eos)
+            canvas.commit(new)
+            out.extend(new)
+            steps.extend([canvas.forwards + drafter.forwards] * len(new))
+            if on_step is not None:
+                on_step(out, list(range(len(out) - len(new), len(out))))
+            if stop or len(out) >= max_new_tokens:
+                break
+        remaining = max_new_tokens - len(out)
+        drafts = proposal.tokens[: min(draft_len, remaining - 1)]
+        region, runs = drafter.region(len(drafts), remaining)
+        hidden = canvas.forward(drafts, region, runs)
+        n_pending = hidden.shape[0] - len(drafts) - len(region)
+        verify = head(hidden[n_pending - 1 : n_pending + len(drafts)]).float()  # (k + 1, V)
+        if student.info.mask_is_new:
+            verify[:, student.info.mask_id] = float("-inf")  # an added row the teacher never emits
+        if sampling is None:
+            best = verify.argmax(-1).tolist()
+            j = 0
+            while j < len(drafts) and drafts[j] == best[j]:
+                j += 1
+            new = drafts[:j] + [best[j]]
+        else:
+            j, correction = speculative_accept(drafts, proposal.q, verify, temperature, generator)
+            new = drafts[:j] + [correction]
+        canvas.keep(j)
+        if isinstance(drafter, VFMDrafter):
+            drafter.observe(hidden[: n_pending + j])
+        new, stop = cut_at_eos(new[:remaining], eos)
+        canvas.commit(new)
+        if on_step is not None:
+            on_step(out + new, list(range(len(out), len(out) + len(new))))
+        out.extend(new)
+        steps.extend([canvas.forwards + drafter.forwards] * len(new))
+        drafted.append(len(drafts))
+        accepted.append(j)
+        draftable.append(len(drafted) > 1 and remaining > 1)  # not the prompt's forward nor a 1-token budget
+        if stop or len(out) >= max_new_tokens:
+            break
+        proposal = drafter.propose(
+            canvas, j, hidden[n_pending + len(drafts) :], max_new_tokens - len(out), sampling
+        )
+    return Decoded(out, canvas.forwards + drafter.forwards, steps, accepted, drafted, draftable)
+
+
+def speculative_accept(
+    drafts: list[int],
+    q: torch.Tensor | None,
+    verify: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """The speculative-sampling rule (Leviathan et al. 2023): (accepted drafts, next token).
+
+    Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token
+    is drawn from norm(max(p_i - q_i, 0)); if all are kept, from p after the last draft.
+    """
+    p = torch.softmax(verify / temperature, -1)  # (k + 1, V)
+    for i, d in enumerate(drafts):
+        u = torch.rand((), generator=generator).item()
+        if u < min(1.0, float(p[i, d] / q[i, d])):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        residual = residual / residual.sum() if float(residual.sum()) > 0 else p[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
