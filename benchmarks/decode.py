@@ -1,12 +1,14 @@
-"""Decode benchmark: the demo head's samplers against the AR teacher with its KV cache, in one run.
+"""Decode benchmark: registry decoders against the AR teacher with its KV cache, in one run.
 
     python benchmarks/decode.py [--config configs/demo.yaml] [--store ./a2d-store] [--samples N]
 
-Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`). On the
-held-out prompts it times, interleaved prompt by prompt so machine load hits every sampler alike:
-AR greedy (the teacher, KV cache), transformers' prompt-lookup decoding, lossless self-speculative
-decoding with the head (alone, and with n-gram lookup drafts where the context repeats), and threshold decoding with and without the exact prefix cache. Writes
-benchmarks/results/decode.json with ratios (speed-ups are tokens/s ratios measured in this run).
+Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`); uses its
+VFM too when there is one. On the held-out prompts it decodes with every decoder, interleaved prompt
+by prompt so machine load hits each alike, plus transformers' own greedy `generate` (the library
+baseline a2d's AR loop must match). Then it times single forwards: a speculative forward of n fed
+tokens (newest + drafts + mask runs, the LM head over the rows a decoder reads) against a bare base
+forward of the same n tokens (transformers' forward with its cache, logits for every row).
+Writes benchmarks/results/decode.json; speed-ups are tokens/s ratios measured in this run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,79 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+DECODERS = [
+    "ar:greedy",
+    "ar:student-base",
+    "ar:prompt-lookup",
+    "hf:prompt-lookup",
+    "spec:head",
+    "spec:head+lookup",
+    "spec:vfm",
+    "threshold:0.9",
+]
+FED = (2, 4, 9, 17)  # tokens fed to one forward in the overhead measurement
+
+
+def spec_layout(n: int) -> tuple[int, list[int]]:
+    """(drafts, masks per run) of a speculative forward fed n tokens: newest + drafts + one run per
+    acceptance length, the masks spread evenly."""
+    k = {1: 0, 2: 0, 4: 1, 9: 2}.get(n, 4)
+    masks = n - 1 - k
+    return k, [masks // (k + 1) + (i < masks % (k + 1)) for i in range(k + 1)]
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def forward_overhead(
+    student, teacher, context: list[int], reps: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """n -> (speculative forward of n fed tokens) / (bare base forward of n tokens), same cached
+    context; and n -> bare forward of n tokens / bare forward of one token (what feeding costs)."""
+    import torch
+    from transformers import DynamicCache
+
+    from a2d.models.canvas import Canvas, truncate_attention
+    from a2d.models.student import lm_head
+
+    mask, head = student.info.mask_id, lm_head(student)
+    canvas = Canvas(student, context, cached=True)
+    canvas.forward([], [])
+    canvas.keep(-1)  # the cache holds the context but its newest token, which every forward feeds
+    cache = DynamicCache(config=teacher.config)
+    teacher(torch.tensor([context[:-1]]), cache=cache, use_cache=True)
+    out, bare = {}, {}
+    for n in (1, *FED):
+        k, runs = spec_layout(n)
+        drafts = context[-k - 1 : -1] if k else []
+        region = [mask] * sum(runs)
+        layout = [(a, m) for a, m in enumerate(runs) if m]
+
+        def spec_step(drafts=drafts, region=region, layout=layout, rows=k + 1 + runs[0]):
+            hidden = canvas.forward(drafts, region, layout)
+            head(hidden[:rows])  # the verify rows and one run's drafts
+            canvas.keep(-1)
+
+        def bare_step(ids=torch.tensor([context[-1:] + drafts + context[: n - 1 - k]])):
+            teacher(ids, cache=cache, use_cache=True)
+            truncate_attention(cache, len(context) - 1)
+
+        spec_step() if n > 1 else None, bare_step()  # warm-up
+        spec_t, bare_t = [], []
+        for _ in range(3):  # interleaved medians
+            spec_t.append(median_time(spec_step, reps) if n > 1 else 0.0)
+            bare_t.append(median_time(bare_step, reps))
+        bare[n] = sorted(bare_t)[1]
+        if n > 1:
+            out[str(n)] = round(sorted(spec_t)[1] / bare[n], 4)
+    return out, {str(n): round(t / bare[1], 4) for n, t in bare.items()}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -26,16 +101,16 @@ def main() -> None:
     ap.add_argument("--store", default=None)
     ap.add_argument("--samples", type=int, default=0, help="held-out prompts (0 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--reps", type=int, default=15, help="timed repetitions per forward size")
     args = ap.parse_args()
     import torch
     from tqdm.auto import tqdm
 
-    from a2d.models.block_decode import ar_decode, speculative_decode, threshold_decode
+    from a2d.models import decoders as registry
     from a2d.models.generate import eos_ids
     from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
-    from a2d.tasks.students import load_student
+    from a2d.tasks.students import load_flow_map, load_student, load_vfm
     from benchmarks.common import built, write_result
 
     cfg, refs, store = built(args.config, args.store, "head")
@@ -46,69 +121,83 @@ def main() -> None:
     )
     student, dspec = load_student(store, refs["head"])
     eos, n = eos_ids(teacher, tok), args.max_new_tokens
-
-    def base_generate(prompt, lookup=0):
-        with student.base() as model:
-            return ar_decode(model, prompt, n, eos, tok.pad_token_id, lookup)
-
-    alignment = dspec["logit_alignment"]
-    samplers = {  # prompt -> Decoded
-        "ar:greedy": lambda p: ar_decode(teacher, p, n, eos, tok.pad_token_id),
-        "ar:student-base": base_generate,
-        "ar:prompt-lookup": lambda p: base_generate(p, lookup=10),
-        "spec:head": lambda p: speculative_decode(student, p, n, eos),
-        "spec:head+lookup": lambda p: speculative_decode(student, p, n, eos, lookup=3),
-        # fewer masks per forward: cheaper forwards where cost grows with tokens (a CPU), shorter drafts
-        "spec:head(draft_len=1)": lambda p: speculative_decode(student, p, n, eos, draft_len=1),
-        "spec:head+lookup(draft_len=2)": lambda p: speculative_decode(
-            student, p, n, eos, lookup=3, draft_len=2
-        ),
-        "threshold:cached": lambda p: threshold_decode(
-            student, p, n, args.threshold, eos, alignment, cached=True
-        ),
-        "threshold:uncached": lambda p: threshold_decode(
-            student, p, n, args.threshold, eos, alignment, cached=False
-        ),
+    vfm_refs = [
+        r
+        for r in store.iter_refs("vfm")
+        if store.is_complete(r) and store.manifest(r)["upstream"]["head"] == refs["head"].key
+    ]
+    vfm = None
+    if vfm_refs:
+        vfm = (load_vfm(store, vfm_refs[0]), load_flow_map(store, vfm_refs[0], student))
+    res = registry.Resources(student, eos, n, teacher=teacher, vfm=vfm, pad_id=tok.pad_token_id)
+    decoders = {
+        name: registry.build(name, res)
+        for name in DECODERS
+        if not registry.missing(registry.describe(name), res)
     }
-    stats = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": []} for name in samplers}
+
+    def hf_generate(prompt):
+        ids = torch.tensor([prompt])
+        new = teacher.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(prompt) :].tolist()
+        return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
+
+    names = [*decoders, "transformers:generate"]
+    stats = {
+        name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": [], "records": []} for name in names
+    }
     with torch.no_grad():
-        samplers["ar:greedy"](rows[0]["prompt_ids"])  # warm-up, not timed
+        decoders["ar:greedy"](rows[0]["prompt_ids"]), hf_generate(rows[0]["prompt_ids"])  # warm-up
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
-            for name, fn in samplers.items():
+            for name in names:
                 start = time.perf_counter()
-                out = fn(r["prompt_ids"])
+                if name == "transformers:generate":
+                    tokens, out = hf_generate(r["prompt_ids"]), None
+                else:
+                    out = decoders[name](r["prompt_ids"])
+                    tokens = out.tokens
                 st = stats[name]
                 st["seconds"] += time.perf_counter() - start
-                st["tokens"] += len(out.tokens)
-                st["forwards"] += out.forwards
-                st["outputs"].append(out.tokens)
-    # What a forward costs as it is fed more tokens (the base, over a 64-token cache): a speculative
-    # forward pays this for its drafts and masks, so its tokens per forward must beat the ratio.
-    from transformers import DynamicCache
-
-    cost = {}
-    with torch.no_grad(), student.base() as model:
-        context = torch.tensor([rows[0]["prompt_ids"][:64]])
-        for fed in (1, 2, 4, 8, 16):
-            times = []
-            for _ in range(5):
-                cache = DynamicCache()
-                model(context, past_key_values=cache, use_cache=True)
-                start = time.perf_counter()
-                model(context[:, :fed], past_key_values=cache, use_cache=True)
-                times.append(time.perf_counter() - start)
-            cost[fed] = sorted(times)[len(times) // 2]
-    forward_cost_vs_one_token = {str(k): round(v / cost[1], 3) for k, v in cost.items()}
-    for st in stats.values():
-        st["tpf"] = round(st["tokens"] / max(st["forwards"], 1), 4)
-        st["tokens_per_s"] = round(st["tokens"] / st["seconds"], 3)
+                st["tokens"] += len(tokens)
+                st["forwards"] += out.forwards if out else len(tokens)
+                st["outputs"].append(tokens)
+                if out is not None:
+                    st["records"].append(out)
+        overhead, feeding = forward_overhead(
+            student, teacher, rows[0]["prompt_ids"] + rows[0]["response_ids"], args.reps
+        )
     base = stats["ar:student-base"]["outputs"]
-    mismatches = {
-        name: sum(a != b for a, b in zip(stats[name]["outputs"], base, strict=True))
-        for name in stats
-        if name.startswith("spec:") or name == "ar:prompt-lookup"
-    }
-    ar = stats["ar:greedy"]["tokens_per_s"]
+    summary = {}
+    for name, st in stats.items():
+        recs = st.pop("records")
+        fed = [d for o in recs for d, ok in zip(o.drafted, o.draftable, strict=True) if ok]
+        summary[name] = {
+            "tokens": st["tokens"],
+            "forwards": st["forwards"],
+            "seconds": round(st["seconds"], 3),
+            "tpf": round(st["tokens"] / max(st["forwards"], 1), 4),
+            "tokens_per_s": round(st["tokens"] / st["seconds"], 3),
+            "mean_accepted_drafts": round(sum(a for o in recs for a in o.accepted) / len(fed), 4)
+            if fed
+            else None,
+        }
+        if fed:
+            summary[name]["no_draft_share"] = round(sum(d == 0 for d in fed) / len(fed), 4)
+    lossless = [
+        m
+        for m in stats
+        if m != "transformers:generate" and registry.describe(m).lossless and m != "ar:greedy"
+    ]
+    mismatches = {m: sum(a != b for a, b in zip(stats[m]["outputs"], base, strict=True)) for m in lossless}
+    ar = summary["ar:greedy"]["tokens_per_s"]
+    speedup = {m: round(summary[m]["tokens_per_s"] / ar, 4) for m in summary}
+    best = max((m for m in lossless if m.startswith("spec:") or m == "ar:prompt-lookup"), key=speedup.get)
     write_result(
         "decode",
         {
@@ -116,22 +205,30 @@ def main() -> None:
             "head_key": refs["head"].key,
             "samples": len(rows),
             "max_new_tokens": n,
-            "threshold": args.threshold,
-            "spec_tpf": stats["spec:head"]["tpf"],
-            "spec_speedup_vs_ar": round(stats["spec:head"]["tokens_per_s"] / ar, 4),
-            "spec_lookup_tpf": stats["spec:head+lookup"]["tpf"],
-            "spec_lookup_speedup_vs_ar": round(stats["spec:head+lookup"]["tokens_per_s"] / ar, 4),
-            "best_spec_speedup_vs_ar": max(
-                round(st["tokens_per_s"] / ar, 4) for name, st in stats.items() if name.startswith("spec:")
-            ),
-            "prompt_lookup_speedup_vs_ar": round(stats["ar:prompt-lookup"]["tokens_per_s"] / ar, 4),
-            "cached_speedup_vs_uncached": round(
-                stats["threshold:cached"]["tokens_per_s"] / stats["threshold:uncached"]["tokens_per_s"], 4
-            ),
+            "decode_profile": registry.profile_for("cpu").__dict__,
             "lossless_mismatches": mismatches,
-            "forward_cost_vs_one_token": forward_cost_vs_one_token,
-            "samplers": {k: {f: v for f, v in s.items() if f != "outputs"} for k, s in stats.items()},
-            "rules": "a forward is one model call (draft+verify counts once); tokens are response tokens incl. EOS",
+            "no_draft_share": {m: s["no_draft_share"] for m, s in summary.items() if "no_draft_share" in s},
+            "spec_forward_overhead": overhead,
+            "forward_cost_vs_one_token": feeding,
+            "ar_vs_transformers_generate": round(ar / summary["transformers:generate"]["tokens_per_s"], 4),
+            "spec_tpf": summary["spec:head"]["tpf"],
+            "spec_head_speedup_vs_ar": speedup["spec:head"],
+            "spec_lookup_tpf": summary["spec:head+lookup"]["tpf"],
+            "spec_lookup_speedup_vs_ar": speedup["spec:head+lookup"],
+            "best_lossless": best,
+            "best_lossless_speedup_vs_ar": speedup[best],
+            "prompt_lookup_speedup_vs_ar": speedup.get("hf:prompt-lookup"),
+            "a2d_prompt_lookup_speedup_vs_ar": speedup["ar:prompt-lookup"],
+            "speedup_vs_ar": speedup,
+            "decoders": summary,
+            "rules": (
+                "a forward is every model call (verify, flow-map and drafter forwards); tokens are response tokens "
+                "incl. EOS; speed-ups are tokens/s ÷ ar:greedy (the teacher, KV cache) in this run; no_draft_share "
+                "is over verify forwards that could carry drafts (not a prompt's first forward, not a 1-token "
+                "budget); spec_forward_overhead[n] = median time of one speculative forward fed n tokens (its LM "
+                "head over the verify rows and one run) ÷ a bare transformers forward of n tokens on the same cache "
+                "(logits for every row)"
+            ),
         },
     )
 

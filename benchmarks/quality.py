@@ -1,4 +1,4 @@
-"""Quality benchmark: the demo's eval artifact as one JSON of per-sampler numbers and AUP per family.
+"""Quality benchmark: the demo's eval artifact as one JSON of per-decoder numbers and AUP per family.
 
     python benchmarks/quality.py [--config configs/demo.yaml] [--store ./a2d-store]
 
@@ -44,9 +44,9 @@ def main() -> None:
         {
             "config": Path(args.config).name,
             "eval_key": refs["eval"].key,
-            "samplers": {
+            "decoders": {
                 name: {k: s.get(k) for k in FIELDS} if "tpf" in s else s
-                for name, s in doc["samplers"].items()
+                for name, s in doc["decoders"].items()
             },
             "aup": doc["aup"],
             "aup_metric": doc["aup_metric"],

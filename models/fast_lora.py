@@ -28,17 +28,24 @@ ADAPTER = "default"
 
 
 def _lean_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    out = self.base_layer(x, *args, **kwargs)  # (B, T, out)
+    base = self.base_layer
+    plain = type(base) is nn.Linear and not args and not kwargs
+    out = F.linear(x, base.weight, base.bias) if plain else base(x, *args, **kwargs)  # (B, T, out)
     gate = self._a2d_scope.adapter  # (B, T) or None
-    if self.disable_adapters or gate is None:
+    if gate is None or self.disable_adapters:
         return out
     w = min(self._a2d_scope.window, x.shape[-2])
     if w == 0:
         return out
-    a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight  # (r, in), (out, r)
-    xo = self.lora_dropout[ADAPTER](x[..., -w:, :].to(a.dtype))
-    delta = F.linear(F.linear(xo, a), b) * (gate[:, -w:, None].to(a.dtype) * self.scaling[ADAPTER])
-    delta = delta.to(out.dtype)
+    a, b, scaling, dropout = self._a2d_lora
+    xo = x[..., -w:, :]
+    if xo.dtype != a.dtype:
+        xo = xo.to(a.dtype)
+    if dropout is not None:
+        xo = dropout(xo)
+    delta = F.linear(F.linear(xo, a), b) * (gate[:, -w:, None].to(a.dtype) * scaling)
+    if delta.dtype != out.dtype:
+        delta = delta.to(out.dtype)
     if torch.is_grad_enabled():
         return torch.cat([out[..., :-w, :], out[..., -w:, :] + delta], dim=-2)
     out[..., -w:, :] += delta
@@ -60,6 +67,13 @@ def install(model: nn.Module, scope: Scope) -> int:
         if set(lora_a) != {ADAPTER} or getattr(module, "lora_variant", {}):
             raise ValueError(f"{type(module).__name__} carries adapters the lean path does not model")
         module._a2d_scope = scope
+        dropout = module.lora_dropout[ADAPTER]
+        module._a2d_lora = (  # the parameters themselves: loading an adapter copies into them in place
+            lora_a[ADAPTER].weight,
+            module.lora_B[ADAPTER].weight,
+            float(module.scaling[ADAPTER]),
+            None if isinstance(dropout, nn.Identity) else dropout,
+        )
         module.forward = MethodType(_lean_forward, module)
         count += 1
     return count

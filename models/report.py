@@ -105,9 +105,9 @@ def markdown_report(
     `models.metrics.family_aup`.
     """
     families = group_families(decoders)
-    lines = ["# Sampler evaluation", "", "## Run", ""]
+    lines = ["# Decoder evaluation", "", "## Run", ""]
     lines += [f"- **{key}**: {value}" for key, value in meta.items()] or ["- (no metadata)"]
-    lines += ["", "## Samplers", ""]
+    lines += ["", "## Decoders", ""]
     lines += _md_table(["decoder", *(h for h, _, _ in COLUMNS)], _rows(decoders))
     skipped = [f"- {name}: skipped ({s['skipped']})" for name, s in decoders.items() if "skipped" in s]
     lines += ["", *skipped] if skipped else []

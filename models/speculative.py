@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from a2d.models.block_decode import Decoded, OnStep, cut_at_eos
-from a2d.models.canvas import Canvas
+from a2d.models.canvas import Canvas, truncate_attention
 from a2d.models.student import Student, lm_head
 
 Runs = list[tuple[int, int]]  # (attach, length) per open run, see Canvas.forward
@@ -165,14 +165,12 @@ class ModelDrafter(Drafter):
     def _draft(self, context: list[int], count: int) -> list[int]:
         if count <= 0:
             return []
-        self.cache.crop(min(self.cached, len(context) - 1))
-        self.cached = self.cache.get_seq_length()
+        self.cached = min(self.cached, len(context) - 1)
+        truncate_attention(self.cache, self.cached)
         feed, out = context[self.cached :], []
         for _ in range(count):
             ids = torch.tensor([feed], device=self.device)
-            logits = self.model(
-                input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1
-            ).logits
+            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
             self.forwards += 1
             feed = [int(logits[0, -1].argmax())]
             out.append(feed[0])

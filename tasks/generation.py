@@ -61,13 +61,7 @@ def generate(
     registry.describe(decoder)  # an unknown name is refused before the model loads
     student, _ = load_student(store, head, device)
     tok = student.tok
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tok(prompt)["input_ids"]
+    ids = prompt_ids(tok, prompt)
     eos = eos_ids(student.inner, tok)
     steps: list[list[int]] = []
     shown = [""]
@@ -95,6 +89,16 @@ def generate(
         on_text(final[len(shown[0]) :])
     pieces = [tok.decode([t]) for t in out.tokens]
     return Generation(final, out.tokens, out.forwards, seconds, steps, pieces)
+
+
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """A user message as the teacher's chat template frames it (plain tokens without a template)."""
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return tok(prompt)["input_ids"]
 
 
 def newest_vfm(store: ArtifactStore, head: ArtifactRef) -> ArtifactRef:

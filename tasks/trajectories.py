@@ -77,15 +77,15 @@ def trajectories_shard(
     student = None
     if spec.source == "diffusion-decode":
         student, dspec = load_student(store, store.ref("head", spec.head_key))
-        if dspec["block_size"] != spec.block_size:
+        if dspec.block_size != spec.block_size:
             raise ValueError(
                 f"trajectories.block_size={spec.block_size} but head {spec.head_key} decodes blocks of "
-                f"{dspec['block_size']}: set trajectories.block_size={dspec['block_size']}"
+                f"{dspec.block_size}: set trajectories.block_size={dspec.block_size}"
             )
     for r in rows:
         if student is not None:
             raw, _ = forced_commit_steps(
-                student, r["prompt_ids"], r["response_ids"], spec.threshold, dspec["logit_alignment"]
+                student, r["prompt_ids"], r["response_ids"], spec.threshold, dspec.logit_alignment
             )
             steps = np.asarray(raw, dtype=np.int16)
         else:

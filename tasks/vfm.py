@@ -13,7 +13,7 @@ from prefect import task
 from tqdm import tqdm
 
 from a2d.models.generate import eos_ids
-from a2d.models.student import apply_lora, lora_parameters
+from a2d.models.student import DiffusionSpec, apply_lora, lora_parameters
 from a2d.models.teacher import autocast, resolve_device, resolve_precision
 from a2d.models.vfm import NoiseAdapter, encode_prompt, flow_map_logits, kl_to_prior
 from a2d.specs import TrainOptions, VFMSpec
@@ -73,7 +73,7 @@ def vfm_losses(
     batch: dict[str, torch.Tensor],
     rng: np.random.Generator,
     spec: VFMSpec,
-    dspec: dict[str, Any],
+    dspec: DiffusionSpec,
     device: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch through q_φ and the flow map: (CE of the one-step logits, KL(q ‖ N(mask, I)))."""
@@ -89,7 +89,7 @@ def vfm_losses(
         true_emb = student.model.get_base_model().get_input_embeddings()(targets)
         z = torch.where(keep[..., None], true_emb.to(z.dtype), z)
         supervised = ~keep
-    shifted = dspec["logit_alignment"] == "shifted"
+    shifted = dspec.logit_alignment == "shifted"
     logits = flow_map_logits(student, prompt, z, shifted)
     ce = torch.nn.functional.cross_entropy(logits[supervised].float(), targets[supervised])  # (B, L, V) rows
     return ce, kl_to_prior(mu, logvar, adapter.prior_mean)

@@ -134,11 +134,17 @@ def test_good_drafts_are_accepted_a_block_per_forward_and_bad_ones_cost_nothing(
     always wrong still gain the base's next token per forward; the output is the base's either way."""
     student = trained_like(small_teachers, "llama")
     truth = base_greedy(student, PROMPT, 16)
-    good = speculative_decode(student, PROMPT, 16, EOS, Scripted(PROMPT, lambda done: truth[len(done) : len(done) + 4]))
+    good = speculative_decode(
+        student, PROMPT, 16, EOS, Scripted(PROMPT, lambda done: truth[len(done) : len(done) + 4])
+    )
     assert good.tokens == truth and good.accepted[:3] == [4, 4, 4]  # 4 drafts held (+ the base's next token)
     assert good.forwards == 4 and good.drafted == [4, 4, 4, 0]  # 1 token left: nothing to draft
     bad = speculative_decode(
-        student, PROMPT, 16, EOS, Scripted(PROMPT, lambda done: [(t + 1) % 250 for t in truth[len(done) :][:4]])
+        student,
+        PROMPT,
+        16,
+        EOS,
+        Scripted(PROMPT, lambda done: [(t + 1) % 250 for t in truth[len(done) :][:4]]),
     )
     assert bad.tokens == truth and bad.accepted == [0] * 16 and bad.forwards == 16
 
@@ -231,7 +237,9 @@ def test_sampled_speculative_decoding_has_the_base_distribution(small_teachers):
     firsts, pairs = [], []
     for seed in range(600):
         gen = torch.Generator().manual_seed(seed)
-        out = speculative_decode(student, prompt, 2, [], HeadDrafter(student, 2), temperature=1.0, generator=gen)
+        out = speculative_decode(
+            student, prompt, 2, [], HeadDrafter(student, 2), temperature=1.0, generator=gen
+        )
         firsts.append(out.tokens[0])
         pairs.append(tuple(out.tokens))
     top = torch.topk(p1, 6).indices.tolist()

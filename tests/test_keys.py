@@ -59,7 +59,7 @@ CONTEXT = {
     "trajectories.head_key": {"trajectories": {"source": "diffusion-decode", "head_key": "0" * 16}},
     "trajectories.threshold": {"trajectories": {"source": "diffusion-decode", "head_key": "0" * 16}},
     "eval.lm_eval_limit": {"eval": {"lm_eval_tasks": ["a2d_bundled"]}},  # they matter only with tasks
-    "eval.lm_eval_sampler": {"eval": {"lm_eval_tasks": ["a2d_bundled"]}},
+    "eval.lm_eval_decoder": {"eval": {"lm_eval_tasks": ["a2d_bundled"]}},
 }
 # Fields deliberately in other stages' keys: how a teacher is loaded changes what runs it produce.
 ELSEWHERE = {"teacher.load": ("responses", "anchors")}
@@ -84,7 +84,7 @@ def _candidates(value):
     if isinstance(value, float):
         out += [value / 2, value * 0.9, value + 0.05, 0.5, 1.0, 2.0]
     if isinstance(value, str):
-        out += [value + "x", "x", "all"]
+        out += [value + "x", "x", "all", "threshold:0.5"]  # the last: a decoder name (eval.lm_eval_decoder)
     if isinstance(value, list | tuple):
         out += [[0], [1], [0.5], [1, 2], ["x.jsonl"], list(value)[:-1], [*value, value[-1] if value else 1]]
     out += ["x", 1, 0.5, [0], "0" * 16]  # whatever the field's type, one of these may fit

@@ -14,7 +14,7 @@ from a2d.models.metrics import (
     family_aup,
     family_of,
     repetition_rate,
-    summarise_sampler,
+    summarise_decoder,
     token_agreement,
 )
 from a2d.models.report import markdown_report, plot_speed_quality, text_table
@@ -131,8 +131,8 @@ def _records() -> list[dict[str, Any]]:
     ]
 
 
-def test_summarise_sampler_two_records() -> None:
-    summary = summarise_sampler(_records())
+def test_summarise_decoder_two_records() -> None:
+    summary = summarise_decoder(_records())
     assert summary["tpf"] == pytest.approx(6 / 4)  # 6 tokens over 4 forwards
     assert summary["tokens_per_s"] == pytest.approx(6 / 2.0)  # 6 tokens over 2 s
     assert summary["token_agreement"] == pytest.approx((3 / 4 + 1.0) / 2)
@@ -142,20 +142,20 @@ def test_summarise_sampler_two_records() -> None:
     assert summary["samples"] == 2
 
 
-def test_summarise_sampler_edge_cases() -> None:
+def test_summarise_decoder_edge_cases() -> None:
     unjudged = [{**r, "correct": None} for r in _records()]
-    assert summarise_sampler(unjudged)["answer_accuracy"] is None
+    assert summarise_decoder(unjudged)["answer_accuracy"] is None
     wrong = [{**r, "correct": False} for r in _records()]
-    assert summarise_sampler(wrong)["answer_accuracy"] == 0.0
+    assert summarise_decoder(wrong)["answer_accuracy"] == 0.0
     untimed = [{**r, "seconds": 0.0} for r in _records()]
-    assert summarise_sampler(untimed)["tokens_per_s"] is None
+    assert summarise_decoder(untimed)["tokens_per_s"] is None
     with pytest.raises(ValueError):
-        summarise_sampler([])
+        summarise_decoder([])
     with pytest.raises(ValueError):
-        summarise_sampler([{**r, "forwards": 0} for r in _records()])
+        summarise_decoder([{**r, "forwards": 0} for r in _records()])
 
 
-def _samplers() -> dict[str, dict[str, Any]]:
+def _decoders() -> dict[str, dict[str, Any]]:
     def s(tpf: float, agree: float, acc: float | None) -> dict[str, Any]:
         return {
             "tpf": tpf,
@@ -169,50 +169,50 @@ def _samplers() -> dict[str, dict[str, Any]]:
 
     return {
         "ar": s(1.0, 0.9, 0.5),
-        "head:conf0.9": s(2.0, 0.88, 0.45),
-        "head:conf0.5": s(4.0, 0.8, None),
+        "threshold:0.9": s(2.0, 0.88, 0.45),
+        "threshold:0.5": s(4.0, 0.8, None),
         "entropy:0.4": s(3.0, 0.85, None),
     }
 
 
 def test_family_aup() -> None:
-    samplers = _samplers()
-    assert family_of("head:conf0.9") == "head"
+    decoders = _decoders()
+    assert family_of("threshold:0.9") == "threshold"
     assert family_of("ar") == "ar"
-    scores = family_aup(samplers)
-    assert set(scores) == {"ar", "head", "entropy"}
+    scores = family_aup(decoders)
+    assert set(scores) == {"ar", "threshold", "entropy"}
     assert scores["ar"] == pytest.approx(90.0)  # single AR point scores its accuracy
-    # head: y1 = 88 at rho 2, 80 is dropped (80 < 83), so only the rectangle 2 * 88 remains.
-    assert scores["head"] == pytest.approx(2 * 88.0)
-    by_accuracy = family_aup(samplers, metric="answer_accuracy")
-    assert set(by_accuracy) == {"ar", "head"}  # entropy has no judged samples
+    # threshold: y1 = 88 at rho 2, 80 is dropped (80 < 83), so only the rectangle 2 * 88 remains.
+    assert scores["threshold"] == pytest.approx(2 * 88.0)
+    by_accuracy = family_aup(decoders, metric="answer_accuracy")
+    assert set(by_accuracy) == {"ar", "threshold"}  # entropy has no judged samples
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:
     path = tmp_path / "plots" / "speed_quality.png"
-    plot_speed_quality(_samplers(), str(path))
+    plot_speed_quality(_decoders(), str(path))
     data = path.read_bytes()
     assert data.startswith(PNG_MAGIC)
     assert len(data) > 1000
 
 
 def test_markdown_report_lists_everything() -> None:
-    samplers = _samplers()
-    text = markdown_report(samplers, family_aup(samplers), {"teacher": "smollm2", "prompts": 8})
-    for name in samplers:
+    decoders = _decoders()
+    text = markdown_report(decoders, family_aup(decoders), {"teacher": "smollm2", "prompts": 8})
+    for name in decoders:
         assert f"| {name} |" in text
     assert "- **teacher**: smollm2" in text
-    assert "| head | 176.00 |" in text
+    assert "| threshold | 176.00 |" in text
     assert "—" in text  # missing answer accuracy
     assert "AUP" in text and "y_max" in text
 
 
 def test_text_table_is_fixed_width() -> None:
-    table = text_table(_samplers())
+    table = text_table(_decoders())
     lines = table.splitlines()
-    assert lines[0].split()[0] == "sampler"
-    assert len(lines) == 2 + len(_samplers())
+    assert lines[0].split()[0] == "decoder"
+    assert len(lines) == 2 + len(_decoders())
     # Every row ends at the same column, since numbers are right-aligned to the header width.
     assert len({len(line) for line in lines}) == 1
-    head_row = next(line for line in lines if line.startswith("head:conf0.5"))
+    head_row = next(line for line in lines if line.startswith("threshold:0.5"))
     assert "4.00" in head_row and "—" in head_row
