@@ -37,6 +37,10 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
+STARTUP_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+STARTUP_TIMEOUT_S = 180  # Prefect's default is 20 s
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from a2d.flows.pipeline import plan, stages_until
 
@@ -307,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     # The temporary Prefect server a run may start inherits this: it stays off the network unless
     # the user opts in (offline machines otherwise log a telemetry error on every run).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect gives its temporary server 20 s to start; a loaded laptop (or 2 busy cores) needs more.
+    os.environ.setdefault(STARTUP_TIMEOUT_VAR, str(STARTUP_TIMEOUT_S))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -316,6 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"a2d: error: {msg}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if "ephemeral Prefect API server" not in str(e):
+            raise
+        print(
+            f"a2d: error: the temporary Prefect server did not start within {os.environ[STARTUP_TIMEOUT_VAR]} s "
+            f"(a busy machine?): set {STARTUP_TIMEOUT_VAR}=300, or start one with `prefect server start` "
+            "and set PREFECT_API_URL=http://127.0.0.1:4200/api",
+            file=sys.stderr,
+        )
         return 2
 
 

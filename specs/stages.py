@@ -10,11 +10,53 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Form labels a person reads (the Prefect UI shows a field's title): names whose plain
+# capitalisation reads wrong ("Lr", "Vfm Steps", "R Min Start"); the rest are capitalised as words.
+TITLES = {
+    "lr": "Learning rate",
+    "lora_lr": "LoRA learning rate",
+    "eps": "Smallest mask ratio (t)",
+    "r_max": "Largest mask ratio",
+    "r_min_start": "Smallest mask ratio at the start",
+    "r_min_end": "Smallest mask ratio at the end",
+    "vfm_steps": "VFM refinement steps",
+    "tau": "Temperature τ of the VFM CE",
+    "beta": "KL weight β",
+    "beta_warmup": "KL weight warmup steps",
+    "top_p": "Top-p",
+    "rslora": "rsLoRA scaling",
+    "lm_eval_tasks": "lm-eval tasks",
+    "lm_eval_limit": "lm-eval documents per task",
+    "lm_eval_decoder": "lm-eval decoder",
+    "hub_id": "Hub dataset id",
+    "hub_revision": "Hub dataset revision",
+    "repo_id": "Hub repository id",
+    "head_key": "Head artifact key",
+}
+ACRONYMS = {
+    "lora": "LoRA",
+    "vfm": "VFM",
+    "kl": "KL",
+    "lm": "LM",
+    "nf4": "NF4",
+    "align": "alignment",
+    "len": "length",
+    "dtype": "data type",
+}
+
+
+def field_title(name: str, _info: Any = None) -> str:
+    """The form label of a spec field."""
+    if name in TITLES:
+        return TITLES[name]
+    words = [ACRONYMS.get(w, w) for w in name.split("_")]
+    return " ".join([words[0][:1].upper() + words[0][1:], *words[1:]])
+
 
 class Spec(BaseModel):
     """Base for specs and options: frozen, and a typo'd field is an error rather than ignored."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, field_title_generator=field_title)
 
 
 class LoadSpec(Spec):
@@ -37,7 +79,13 @@ class TeacherSpec(Spec):
     )
     architecture: Literal["qwen3_5", "llama"] = Field("qwen3_5", description="random: architecture family")
     layers: int = Field(64, ge=1, le=256, description="random: decoder layers")
-    hidden: int = Field(64, ge=16, le=16384, description="random: hidden width (multiple of 16)")
+    hidden: int = Field(
+        64,
+        ge=16,
+        le=16384,
+        description="random: hidden width (multiple of 16)",
+        json_schema_extra={"multipleOf": 16},  # the form refuses 20 before a run exists
+    )
     seed: int = Field(0, ge=0, description="random: weight initialisation seed")
     path: str | None = Field(None, description="local: directory with config.json, weights and tokenizer")
     repo_id: str | None = Field(None, description="hub: repository id, e.g. Qwen/Qwen3.6-27B")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,11 @@ from a2d.tasks.train_head import TrainJob
 from a2d.tasks.training import restore_checkpoints, workdir
 
 STAGE = "head"
+# Library warnings the trainer's stderr carries (transformers FutureWarnings, bitsandbytes notes, the
+# `warnings.warn(` source line that follows each): noise in a run's log, still on the process's stderr.
+THIRD_PARTY_NOISE = re.compile(
+    r"(Warning: |^\s*warnings\.warn\(|site-packages/|bitsandbytes|`kernels`|UserWarning|DeprecationWarning)"
+)
 SHARD = HEAD_SHARD
 FORMAT_VERSION = 2  # 2: decode-state views, block attention from the response start, adapter scope
 
@@ -137,7 +143,10 @@ def _stream(proc: subprocess.Popen, progress: Progress, bar: tqdm) -> int:
                 create_link_artifact(key="a2d-head-wandb", link=fields["url"], description="W&B run")
             log.info("train %s %s", kind, payload)
         elif line and "Loading weights" not in line:
-            log.info("train | %s", line)
+            if THIRD_PARTY_NOISE.search(line):  # kept on the process's stderr, not in the run's log
+                print(f"train | {line}", file=sys.stderr)
+            else:
+                log.info("train | %s", line)
     return proc.wait()
 
 

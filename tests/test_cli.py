@@ -124,3 +124,30 @@ def test_a_folder_is_not_taken_for_an_artifact_or_a_store(tmp_path, capsys):
     assert "is the prompts stage folder of a store, not a store root: use --store" in capsys.readouterr().err
     assert main(["verify", "--store", str(artifact)]) == 2
     assert "is an artifact folder, not a store root" in capsys.readouterr().err
+
+
+def test_a_temporary_server_that_does_not_start_gets_one_line_of_advice(tmp_path):
+    """`a2d run` with no Prefect server starts a temporary one; when it does not come up in time (the
+    timeout forced to 0 here, as a loaded machine forces it past Prefect's 20 s), the user gets one line
+    naming the setting, no traceback."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "a2d.flows.cli",
+        "run",
+        TINY,
+        "--until",
+        "teacher",
+        "--store",
+        str(tmp_path / "s"),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    err = [line for line in done.stderr.splitlines() if line.startswith("a2d: error")]
+    assert len(err) == 1 and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=300" in err[0]
+    assert "Traceback" not in done.stderr

@@ -185,6 +185,12 @@ def test_schema_rejects_a_bad_value_naming_the_field():
         validate({"config": {"run": {"batch_size": -1}}}, schema, raise_on_error=True)
     with pytest.raises(ValidationError):
         validate({"until": "nowhere"}, schema, raise_on_error=True)
+    # checks the config makes are in the schema, so the form and the server refuse them
+    validate({"config": {"teacher": {"hidden": 32}}}, schema, raise_on_error=True)
+    with pytest.raises(ValidationError, match="multiple of 16"):
+        validate({"config": {"teacher": {"hidden": 20}}}, schema, raise_on_error=True)
+    with pytest.raises(ValidationError, match="does not match"):
+        validate({"config": {"eval": {"lm_eval_decoder": "spec:nothing"}}}, schema, raise_on_error=True)
 
 
 # -- regenerate-data -----------------------------------------------------------------------------------------
@@ -413,6 +419,14 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         bad = {**params, "config": {**params["config"], "run": {**params["config"]["run"], "batch_size": -1}}}
         with pytest.raises(PrefectHTTPStatusError, match="batch_size"):
             client.create_flow_run_from_deployment(deployment.id, parameters=bad)
+        odd = {
+            **params,
+            "config": {**params["config"], "teacher": {**params["config"]["teacher"], "hidden": 20}},
+        }
+        with pytest.raises(
+            PrefectHTTPStatusError, match="multiple of 16"
+        ):  # a pydantic check, in the schema too
+            client.create_flow_run_from_deployment(deployment.id, parameters=odd)
         assert len(client.read_flow_runs(deployment_filter=only_this)) == runs_before == 2
 
         # A valid value the serve policy does not allow (another store root) is refused by the run

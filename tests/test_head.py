@@ -573,3 +573,19 @@ def test_the_student_is_built_with_the_teachers_trust_remote_code(data, tmp_path
         with pytest.raises(Loaded):
             setup(job)
     assert seen == [False, True]
+
+
+def test_library_warnings_stay_out_of_the_run_log():
+    """The trainer's stderr lines that are library warnings (as seen in a served run's log) are kept
+    off the Prefect log; a2d's own lines and tracebacks are not."""
+    from a2d.tasks.head import THIRD_PARTY_NOISE
+
+    noise = [
+        "/x/.venv/lib/python3.11/site-packages/transformers/modeling_utils.py:3312: FutureWarning: "
+        "`is_gradient_checkpointing` is deprecated and will be removed in v6.",
+        "  warnings.warn(",
+        "The installed version of bitsandbytes was compiled without GPU support.",
+    ]
+    kept = ["Traceback (most recent call last):", "RuntimeError: CUDA out of memory", "resumed from step-00000004"]
+    assert all(THIRD_PARTY_NOISE.search(line) for line in noise)
+    assert not any(THIRD_PARTY_NOISE.search(line) for line in kept)

@@ -165,8 +165,10 @@ def test_eval_reports_every_sampler(built):
     # one verify forward per round; its tokens are the drafts that held plus the base's own next token
     assert s["spec:head"]["tpf"] == pytest.approx(s["spec:head"]["mean_accepted"] + 1)
     assert s["spec:head"]["no_draft_share"] == 0.0  # after each prompt's first forward, drafts every time
-    # the VFM's flow-map forwards count (about two forwards per round); its landed base token is not a draft
-    assert s["spec:vfm"]["tpf"] < s["spec:vfm"]["mean_accepted"] + 1
+    # the VFM's flow-map forwards count: two forwards per round land the base token its clean row
+    # computed, the accepted drafts and the correction, so TPF is about (accepted + 2) / 2
+    vfm = s["spec:vfm"]
+    assert vfm["tpf"] <= (vfm["mean_accepted"] + 2) / 2 + 0.2 and vfm["mean_accepted"] >= 0
     block = st.manifest(refs["head"])["metrics"]["diffusion_spec"]["block_size"]
     assert 1 < s["head:k1"]["tpf"] <= block  # a whole block per forward, never more
     max_len = min(cfg.eval.max_new_tokens, cfg.vfm.max_len)
