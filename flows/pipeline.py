@@ -11,6 +11,7 @@ from prefect import flow
 from a2d.flows.anchors import anchors_flow
 from a2d.flows.evaluate import eval_flow
 from a2d.flows.head import head_flow
+from a2d.flows.outcomes import Outcome, observe, table
 from a2d.flows.policy import enforce_config
 from a2d.flows.prompts import prompts_flow
 from a2d.flows.responses import responses_flow
@@ -21,9 +22,11 @@ from a2d.specs import STAGES, PipelineConfig
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.stores.keys import KeyInputs
 from a2d.tasks import anchors, evaluate, head, prompts, responses, teacher, trajectories, vfm
+from a2d.tasks.runtime import in_prefect_run
 
 StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval"]
 Refs = dict[str, ArtifactRef]
+SUMMARY_KEY = "a2d-pipeline"  # the pipeline run's own table: one row per stage
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,24 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
     """teacher → prompts → responses → anchors → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
     enforce_config(config)  # a served run: before any work
+    store = ArtifactStore(config.store)
     refs: Refs = {}
+    done: list[Outcome] = []
     stages = stages_until(until)
     preflight(config, stages, refs)
     for stage in stages:
-        refs[stage] = STEPS[stage].run(config, refs)
+        planned = store.ref_for(STEPS[stage].inputs(config, refs))
+        refs[stage], outcome = observe(store, planned, lambda stage=stage: STEPS[stage].run(config, refs))
+        done.append(outcome)
         if stage == "teacher":
             preflight(config, stages, refs)
+    if in_prefect_run():
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(
+            key=SUMMARY_KEY,
+            table=table(done),
+            description=f"pipeline `{config.name}` up to {until}: per stage its key, what the run did "
+            f"(built, reused, resumed), seconds, size and where it lives ({config.store})",
+        )
     return refs

@@ -64,7 +64,7 @@ class A2DLM(LM):
             loaded = (load_vfm(self.store, ref, device), load_flow_map(self.store, ref, student, device))
         self.tok = student.tok
         self.eos = eos_ids(student.inner, self.tok)
-        self.device, self.vfm = device, loaded
+        self.decode_device, self.vfm = device, loaded
         self._built: dict[int, registry.Decoder] = {}  # one decoder per budget
         self.totals = {"requests": 0, "tokens": 0, "forwards": 0, "seconds": 0.0}
 
@@ -72,7 +72,12 @@ class A2DLM(LM):
     def _decode(self, ids: list[int], budget: int) -> Decoded:
         if budget not in self._built:
             res = registry.Resources(
-                self.student, self.eos, budget, device=self.device, vfm=self.vfm, pad_id=self.tok.pad_token_id
+                self.student,
+                self.eos,
+                budget,
+                device=self.decode_device,
+                vfm=self.vfm,
+                pad_id=self.tok.pad_token_id,
             )
             self._built[budget] = registry.build(self.decoder, res)
         return self._built[budget](ids)

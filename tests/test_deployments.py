@@ -332,8 +332,8 @@ def _shards(folder: Path) -> dict[str, tuple[int, str]]:
     }
 
 
-def _tables(client, key: str) -> list[dict]:
-    """Rows of every table artifact with `key`, oldest first."""
+def _tables(client, key: str, whole: bool = False) -> list:
+    """The first row (or, `whole`, every row) of every table artifact with `key`, oldest first."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
@@ -341,7 +341,8 @@ def _tables(client, key: str) -> list[dict]:
         artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
     )
     assert all(a.type == "table" for a in found)
-    return [(json.loads(a.data) if isinstance(a.data, str) else a.data)[0] for a in reversed(found)]
+    tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in reversed(found)]
+    return tables if whole else [t[0] for t in tables]
 
 
 @pytest.mark.slow
@@ -394,6 +395,12 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         for stage in ("teacher", "responses", "anchors"):
             (table,) = _tables(client, f"a2d-{stage}")
             assert table["key"] == refs[stage].key and not table["reused"]
+        # The pipeline run's own page: one row per stage, what it did, where its artifact lives.
+        (summary,) = _tables(client, "a2d-pipeline", whole=True)
+        assert [(r["stage"], r["key"], r["outcome"]) for r in summary] == [
+            (stage, refs[stage].key, "built") for stage in ("teacher", "prompts", "responses", "anchors")
+        ]
+        assert all(r["uri"] == refs[r["stage"]].uri and r["size_mb"] > 0 for r in summary)
 
         # Lose one shard's marker and the manifest: a new run through the API rebuilds only that shard.
         folder = store / "prompts" / prompts_key
@@ -408,6 +415,13 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             assert after[name] == before[name], f"{name} was rewritten"
         assert (folder / "manifest.json").is_file() and (folder / "_markers" / "part-00001.json").is_file()
         assert [r["reused"] for r in _tables(client, "a2d-prompts")] == [False, False]
+        summary = _tables(client, "a2d-pipeline", whole=True)[-1]
+        assert [r["outcome"] for r in summary] == [
+            "reused",
+            "resumed (2 of 3 shards already finished)",
+            "reused",
+            "reused",
+        ]
         for stage in ("teacher", "responses", "anchors"):  # keyed on inputs, not on prompts' files
             assert [r["reused"] for r in _tables(client, f"a2d-{stage}")] == [False, True], stage
         assert client.read_global_concurrency_limit_by_name("gpu").active_slots == 0

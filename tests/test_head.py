@@ -586,6 +586,10 @@ def test_library_warnings_stay_out_of_the_run_log():
         "  warnings.warn(",
         "The installed version of bitsandbytes was compiled without GPU support.",
     ]
-    kept = ["Traceback (most recent call last):", "RuntimeError: CUDA out of memory", "resumed from step-00000004"]
+    kept = [
+        "Traceback (most recent call last):",
+        "RuntimeError: CUDA out of memory",
+        "resumed from step-00000004",
+    ]
     assert all(THIRD_PARTY_NOISE.search(line) for line in noise)
     assert not any(THIRD_PARTY_NOISE.search(line) for line in kept)

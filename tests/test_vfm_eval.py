@@ -225,15 +225,17 @@ def test_a2d_generate_streams_counts_and_explains_its_errors(built, tmp_path, ca
     store, cfg, refs = built
     args = ["generate", "--prompt", "What is 2 + 3?", "--store", store, "--max-new-tokens", "10"]
     outputs = {}
-    for sampler in ("spec", "ar", "threshold"):
-        assert main([*args, "--sampler", sampler, "--show-steps"]) == 0
+    for decoder in ("spec:head+lookup", "ar:student-base", "threshold:0.9"):
+        assert main([*args, "--decoder", decoder, "--show-steps"]) == 0
         out, err = capsys.readouterr()
         assert f"head {refs['head'].key}" in err and " tokens, " in err and "tokens/s" in err
         steps = [line for line in out.splitlines() if line.startswith("forward ")]
         forwards = int(err.split(" forwards")[0].rsplit(" ", 1)[1])
         assert len(steps) == forwards  # one line per forward, each naming what it committed
-        outputs[sampler] = out.split("\nforward ")[0]
-    assert outputs["spec"] == outputs["ar"]  # lossless: the base model's own answer
+        outputs[decoder] = out.split("\nforward ")[0]
+    assert outputs["spec:head+lookup"] == outputs["ar:student-base"]  # lossless: the base model's own answer
+    assert main([*args, "--decoder", "spec:nothing"]) == 2
+    assert "unknown decoder 'spec:nothing'" in capsys.readouterr().err
     assert main([*args, "--head", "zzzz"]) == 2
     assert "no head artifact with key 'zzzz'" in capsys.readouterr().err
     assert main([*args[:-4], "--store", str(tmp_path / "empty")]) == 2
