@@ -12,30 +12,19 @@ The run ends with a Markdown artifact (`a2d-regenerate-data`) naming what was re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from a2d.flows.outcomes import Outcome, observe
 from a2d.flows.pipeline import STEPS, Refs, preflight
 from a2d.flows.policy import enforce_config
 from a2d.specs import PipelineConfig
-from a2d.stores.artifacts import ArtifactStore, Timer
+from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.runtime import in_prefect_run, logger
 
 # The stages that make training data; the teacher comes first because they all hang off its key.
 DATA_STAGES = ("prompts", "responses", "anchors", "trajectories")
 ARTIFACT_KEY = "a2d-regenerate-data"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What happened to one stage: reused when its artifact was complete before the stage ran."""
-
-    stage: str
-    key: str
-    reused: bool
-    seconds: float
 
 
 def summary(config: PipelineConfig, outcomes: list[Outcome]) -> str:
@@ -50,10 +39,7 @@ def summary(config: PipelineConfig, outcomes: list[Outcome]) -> str:
         "| stage | key | outcome | seconds |",
         "|---|---|---|---|",
     ]
-    lines += [
-        f"| {o.stage} | `{o.key}` | {'reused' if o.reused else 'rebuilt'} | {o.seconds:.1f} |"
-        for o in outcomes
-    ]
+    lines += [f"| {o.stage} | `{o.key}` | {o.outcome} | {o.seconds:.1f} |" for o in outcomes]
     lines += [
         "",
         f"- reused: {', '.join(reused) or 'none'}",
@@ -74,13 +60,12 @@ def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
     for stage in ("teacher", *DATA_STAGES):
         step = STEPS[stage]
         # Decided before the stage runs: a complete manifest means the stage only re-verifies it.
-        reused = store.is_complete(store.ref_for(step.inputs(config, refs)))
-        timer = Timer()
-        refs[stage] = step.run(config, refs)
+        planned = store.ref_for(step.inputs(config, refs))
+        refs[stage], outcome = observe(store, planned, lambda step=step: step.run(config, refs))
         if stage == "teacher":
             preflight(config, ("teacher", *DATA_STAGES), refs)
-        outcomes.append(Outcome(stage, refs[stage].key, reused, timer.seconds))
-        log.info("regenerate-data: %s %s %s", stage, refs[stage].key, "reused" if reused else "rebuilt")
+        outcomes.append(outcome)
+        log.info("regenerate-data: %s %s %s", stage, refs[stage].key, outcome.outcome)
     report = summary(config, outcomes)
     if in_prefect_run():
         create_markdown_artifact(key=ARTIFACT_KEY, markdown=report, description="regenerate-data outcome")

@@ -289,7 +289,11 @@ def eval_run(
         create_table_artifact(
             key=prefect_key("a2d", "eval", "decoders"), table=table, description="eval: every decoder"
         )
-        create_markdown_artifact(key=prefect_key("a2d", "eval", "report"), markdown=report_text(doc, refs))
+        create_markdown_artifact(
+            key=prefect_key("a2d", "eval", "report"),
+            markdown=report_text(doc, refs),
+            description=f"eval {ref.key}: every decoder's speed and quality on {doc['samples']} held-out prompts",
+        )
     return store.write_marker(ref, SHARD, files, {"rows": doc["samples"], "tokens": 0, "aup": doc["aup"]})
 
 

@@ -68,7 +68,8 @@ def generate(
 
     def on_step(response: list[int], committed: list[int]) -> None:
         steps.append(committed)
-        now = tok.decode(response, skip_special_tokens=True)
+        # a trailing U+FFFD is a character whose bytes are still arriving: hold it back
+        now = tok.decode(response, skip_special_tokens=True).rstrip("\ufffd")
         if on_text is not None and now.startswith(shown[0]):
             on_text(now[len(shown[0]) :])
             shown[0] = now

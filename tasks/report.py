@@ -54,9 +54,16 @@ def publish_stage_table(store: ArtifactStore, ref: ArtifactRef, seconds: float, 
         f"- {'reused' if reused else 'built'} in {seconds:.1f} s; {row['rows']} rows, {row['tokens']} tokens, "
         f"{row['bytes']:,} bytes in {row['shards']} shards",
         "- upstream: " + (", ".join(f"`{u}`" for u in lineage["upstream"]) or "none"),
-        "- downstream: " + (", ".join(f"`{d}`" for d in lineage["downstream"]) or "none yet"),
+        "- downstream at publication (current lineage: `a2d show "
+        + ref.key
+        + "`): "
+        + (", ".join(f"`{d}`" for d in lineage["downstream"]) or "none yet"),
     ]
-    create_markdown_artifact(key=artifact_key("a2d", ref.stage, "summary"), markdown="\n".join(lines))
+    create_markdown_artifact(
+        key=artifact_key("a2d", ref.stage, "summary"),
+        markdown="\n".join(lines),
+        description=f"{ref.stage} {ref.key}: where it lives, what it holds, its lineage",
+    )
 
 
 class Progress:

@@ -1,4 +1,4 @@
-"""vfm and eval: exact VFM resume, reuse, K-step generation, and an eval report with every sampler."""
+"""vfm and eval: exact VFM resume, reuse, K-step generation, and an eval report with every decoder."""
 
 import json
 import math
@@ -130,7 +130,7 @@ def test_sigterm_to_a_vfm_flow_run_checkpoints_the_current_step_and_a_rerun_resu
     assert resumed == vfm and history[0]["step"] == step + 1 and history[-1]["step"] == 30
 
 
-def test_eval_reports_every_sampler(built):
+def test_eval_reports_every_decoder(built):
     store, cfg, refs = built
     st = ArtifactStore(store)
     out = st.loc(refs["eval"]).local_path() / "report"
@@ -246,7 +246,7 @@ def test_a2d_generate_streams_counts_and_explains_its_errors(built, tmp_path, ca
 # -- lm-evaluation-harness ------------------------------------------------------------------------------------
 def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path):
     """`lm_eval --model a2d` through lm-eval's own command line, on the rows the eval stage exported:
-    the same generations, so its exact match is the eval stage's answer accuracy for that sampler."""
+    the same generations, so its exact match is the eval stage's answer accuracy for that decoder."""
     import subprocess
     import sys
 
@@ -273,7 +273,7 @@ def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path):
         scores["results"]["a2d_bundled"]["exact_match,none"]
         == doc["decoders"]["spec:head"]["answer_accuracy"]
     )
-    assert scores["config"]["a2d_sampler"] == "spec" and scores["config"]["a2d_forwards"] >= doc["samples"]
+    assert scores["config"]["a2d_decoder"] == "spec:head" and scores["config"]["a2d_forwards"] >= doc["samples"]
     (samples,) = (tmp_path / "out").rglob("samples_a2d_bundled_*.jsonl")
     generated = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
     from transformers import AutoTokenizer
@@ -343,7 +343,7 @@ def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
     assert "a2d_bundled" in stored["results"]
     doc = json.loads((report / "metrics.json").read_text())
     assert (
-        set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"} and doc["lm_eval"]["model"]["a2d_sampler"] == "spec"
+        set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"} and doc["lm_eval"]["model"]["a2d_decoder"] == "spec:head"
     )
     assert "lm-evaluation-harness" in (report / "report.md").read_text()
     manifest = (st.loc(first).local_path() / "manifest.json").stat().st_mtime_ns
