@@ -58,6 +58,8 @@ class Scope:
         self.segments: list[int] | None = None  # decode: clean-prefix segment lengths (see BidirectionalScan)
         self.states: dict[int, list] = {}  # decode: linear-attention state after each segment, per layer
         self.runs: list[tuple[int, int, int]] | None = None  # decode: open runs of a branched region
+        self.unit_window = False  # see set()
+        self.forward_gate: torch.Tensor | None = None
 
     def set(
         self,
@@ -70,6 +72,15 @@ class Scope:
         self.open, self.window, self.adapter, self.segments = open_, window, adapter, segments
         self.runs = runs
         self.states = {}
+        # The whole trailing window open in one row (a decode forward): the LoRA delta needs no gate.
+        self.unit_window = (
+            adapter is not None
+            and adapter.shape[0] == 1
+            and window > 0
+            and not torch.is_grad_enabled()
+            and bool(adapter[:, -window:].eq(1).all())
+        )
+        self.forward_gate = adapter  # the gate of the whole forward (adapter_as swaps slices in)
 
     def clear(self) -> None:
         self.set(None, 0, None)

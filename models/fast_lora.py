@@ -38,6 +38,17 @@ def _lean_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Te
     if w == 0:
         return out
     a, b, scaling, dropout = self._a2d_lora
+    scope = self._a2d_scope
+    if (
+        scope.unit_window
+        and gate is scope.forward_gate
+        and dropout is None
+        and x.dim() == 3
+        and x.dtype == a.dtype
+    ):
+        # a decode forward (one row, its whole window open, no grad): one fused multiply-add in place
+        out[0, -w:].addmm_(F.linear(x[0, -w:], a), b.t().to(out.dtype), alpha=scaling)
+        return out
     xo = x[..., -w:, :]
     if xo.dtype != a.dtype:
         xo = xo.to(a.dtype)
