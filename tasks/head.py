@@ -144,7 +144,7 @@ def _stream(proc: subprocess.Popen, progress: Progress, bar: tqdm) -> int:
             log.info("train %s %s", kind, payload)
         elif line and "Loading weights" not in line:
             if THIRD_PARTY_NOISE.search(line):  # kept on the process's stderr, not in the run's log
-                print(f"train | {line}", file=sys.stderr)
+                sys.stderr.write(f"train | {line}\n")  # not print(): log_prints would relay it
             else:
                 log.info("train | %s", line)
     return proc.wait()
