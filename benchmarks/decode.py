@@ -129,7 +129,15 @@ def main() -> None:
     vfm = None
     if vfm_refs:
         vfm = (load_vfm(store, vfm_refs[0]), load_flow_map(store, vfm_refs[0], student))
-    res = registry.Resources(student, eos, n, teacher=teacher, vfm=vfm, pad_id=tok.pad_token_id)
+    res = registry.Resources(
+        student,
+        eos,
+        n,
+        teacher=teacher,
+        vfm=vfm,
+        pad_id=tok.pad_token_id,
+        logit_alignment=dspec.logit_alignment,
+    )
     decoders = {
         name: registry.build(name, res)
         for name in DECODERS

@@ -132,15 +132,16 @@ class Resources:
     untrained: Callable[[], Student] | None = None
     pad_id: int | None = None
     profile: Profile | None = None
+    logit_alignment: str = "shifted"  # the head's (DiffusionSpec.logit_alignment)
     _untrained: Student | None = field(default=None, repr=False)
 
     @property
     def shifted(self) -> bool:
-        return True  # every a2d head is trained with AR-shifted logits (see HeadSpec.logit_alignment)
+        return self.logit_alignment == "shifted"
 
     def can_verify(self) -> bool:
         s = self.student
-        return s.attention == "block" and s.scope.masked
+        return s.attention == "block" and s.scope.masked and self.shifted
 
 
 def missing(info: DecoderInfo, res: Resources) -> str | None:
@@ -149,7 +150,10 @@ def missing(info: DecoderInfo, res: Resources) -> str | None:
         if need == "teacher" and res.teacher is None:
             return "needs the teacher"
         if need == "spec-head" and not res.can_verify():
-            return "needs a head with attention: block and adapter_scope: masked (the base verifies in its forward)"
+            return (
+                "needs a head with attention: block, adapter_scope: masked and shifted logits "
+                "(the base verifies in its forward)"
+            )
         if need == "vfm" and res.vfm is None:
             return "needs a vfm artifact"
         if need == "draft-model" and res.draft_model is None:
@@ -179,7 +183,9 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
         )
 
     def threshold(student_of: Callable[[], Student], t: float, criterion: str = "confidence") -> Decoder:
-        return lambda p: threshold_decode(student_of(), p, n, t, eos, "shifted", criterion, on_step=on_step)
+        return lambda p: threshold_decode(
+            student_of(), p, n, t, eos, res.logit_alignment, criterion, on_step=on_step
+        )
 
     def base(p: list[int]) -> Decoded:
         with s.base() as model:

@@ -184,6 +184,7 @@ def evaluate(
         teacher=teacher,
         vfm=vfm,
         pad_id=tok.pad_token_id,
+        logit_alignment=dspec.logit_alignment,
         # same base, attention and scope, a fresh rank-1 adapter and mask embedding
         untrained=lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1),
     )

@@ -59,7 +59,7 @@ def generate(
     """Answer one prompt (templated with the teacher's chat template) with the head's student and
     the decoder `decoder` from the registry (`a2d.models.decoders`)."""
     registry.describe(decoder)  # an unknown name is refused before the model loads
-    student, _ = load_student(store, head, device)
+    student, dspec = load_student(store, head, device)
     tok = student.tok
     ids = prompt_ids(tok, prompt)
     eos = eos_ids(student.inner, tok)
@@ -78,7 +78,15 @@ def generate(
     if registry.describe(decoder).family in ("vfm",) or decoder == "spec:vfm":
         ref = newest_vfm(store, head)
         vfm = (load_vfm(store, ref, device), load_flow_map(store, ref, student, device))
-    res = registry.Resources(student, eos, max_new_tokens, device=device, vfm=vfm, pad_id=tok.pad_token_id)
+    res = registry.Resources(
+        student,
+        eos,
+        max_new_tokens,
+        device=device,
+        vfm=vfm,
+        pad_id=tok.pad_token_id,
+        logit_alignment=dspec.logit_alignment,
+    )
     run = registry.build(decoder, res, on_step=on_step)
     start = time.perf_counter()
     out = run(ids)
