@@ -92,7 +92,7 @@ class HeadDrafter(Drafter):
                 runs.append((attach, n))
                 self._runs[attach] = (row, n)
                 row += n
-        return [self.student.info.mask_id] * row, runs
+        return [self.student.info.mask_id] * row, runs or None
 
     def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
         if accepted not in self._runs:
