@@ -273,7 +273,9 @@ def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path):
         scores["results"]["a2d_bundled"]["exact_match,none"]
         == doc["decoders"]["spec:head"]["answer_accuracy"]
     )
-    assert scores["config"]["a2d_decoder"] == "spec:head" and scores["config"]["a2d_forwards"] >= doc["samples"]
+    assert (
+        scores["config"]["a2d_decoder"] == "spec:head" and scores["config"]["a2d_forwards"] >= doc["samples"]
+    )
     (samples,) = (tmp_path / "out").rglob("samples_a2d_bundled_*.jsonl")
     generated = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
     from transformers import AutoTokenizer
@@ -343,7 +345,8 @@ def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
     assert "a2d_bundled" in stored["results"]
     doc = json.loads((report / "metrics.json").read_text())
     assert (
-        set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"} and doc["lm_eval"]["model"]["a2d_decoder"] == "spec:head"
+        set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"}
+        and doc["lm_eval"]["model"]["a2d_decoder"] == "spec:head"
     )
     assert "lm-evaluation-harness" in (report / "report.md").read_text()
     manifest = (st.loc(first).local_path() / "manifest.json").stat().st_mtime_ns
