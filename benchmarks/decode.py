@@ -107,6 +107,7 @@ def main() -> None:
     from tqdm.auto import tqdm
 
     from a2d.models import decoders as registry
+    from a2d.models.ar import hf_generate
     from a2d.models.generate import eos_ids
     from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
@@ -144,29 +145,19 @@ def main() -> None:
         if not registry.missing(registry.describe(name), res)
     }
 
-    def hf_generate(prompt):
-        ids = torch.tensor([prompt])
-        new = teacher.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=tok.pad_token_id,
-        )[0, len(prompt) :].tolist()
-        return new[: next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]
-
     names = [*decoders, "transformers:generate"]
     stats = {
         name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": [], "records": []} for name in names
     }
     with torch.no_grad():
-        decoders["ar:greedy"](rows[0]["prompt_ids"]), hf_generate(rows[0]["prompt_ids"])  # warm-up
+        decoders["ar:greedy"](rows[0]["prompt_ids"])  # warm-up
+        hf_generate(teacher, rows[0]["prompt_ids"], n, eos, tok.pad_token_id)
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
             for name in names:
                 start = time.perf_counter()
                 if name == "transformers:generate":
-                    tokens, out = hf_generate(r["prompt_ids"]), None
+                    out = hf_generate(teacher, r["prompt_ids"], n, eos, tok.pad_token_id)
+                    tokens, out = out.tokens, None
                 else:
                     out = decoders[name](r["prompt_ids"])
                     tokens = out.tokens

@@ -45,6 +45,35 @@ def ar_decode(
 
 
 @torch.no_grad()
+def hf_generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int | None,
+    **kw,
+) -> Decoded:
+    """transformers' greedy `generate` on one prompt (`kw`: e.g. prompt_lookup_num_tokens), every
+    model call counted; the tokens up to and including the first EOS."""
+    count = [0]
+    handle = model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    try:
+        ids = torch.tensor([prompt], device=next(model.parameters()).device)
+        new = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_ids,
+            pad_token_id=pad_id,
+            **kw,
+        )[0, len(prompt) :].tolist()
+    finally:
+        handle.remove()
+    out = new[: next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
+    return Decoded(out, count[0], [])
+
+
 def hf_prompt_lookup(
     model: torch.nn.Module,
     prompt: list[int],
@@ -58,20 +87,4 @@ def hf_prompt_lookup(
         raise ValueError(
             "transformers' prompt lookup refuses stateful (hybrid) models: use the decoder ar:prompt-lookup"
         )
-    count = [0]
-    handle = model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-    try:
-        ids = torch.tensor([prompt], device=next(model.parameters()).device)
-        new = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos_ids,
-            pad_token_id=pad_id,
-            prompt_lookup_num_tokens=tokens,
-        )[0, len(prompt) :].tolist()
-    finally:
-        handle.remove()
-    out = new[: next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))]
-    return Decoded(out, count[0], [])
+    return hf_generate(model, prompt, max_new_tokens, eos_ids, pad_id, prompt_lookup_num_tokens=tokens)
