@@ -61,6 +61,9 @@ class Drafter:
         """The open region fed after `n_drafts` drafts when `remaining` tokens may still land."""
         return [], None
 
+    def observe(self, committed: torch.Tensor) -> None:
+        """The base's final states (n, H) of the tokens the verify forward just committed to the cache."""
+
     def propose(
         self, canvas: Canvas, accepted: int, region: torch.Tensor, remaining: int, sampling
     ) -> Proposal:
@@ -202,8 +205,8 @@ class VFMDrafter(Drafter):
         self.length = min(block, adapter.config["max_len"])
         self.states: list[torch.Tensor] = []  # (n, H) committed states, in order
 
-    def observe(self, hidden: torch.Tensor) -> None:
-        self.states.append(hidden)
+    def observe(self, committed: torch.Tensor) -> None:
+        self.states.append(committed)
 
     def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
         length = min(self.length, remaining)
@@ -281,8 +284,7 @@ def speculative_decode(
             j, correction = speculative_accept(drafts, proposal.q, verify, temperature, generator)
             new = drafts[:j] + [correction]
         canvas.keep(j)
-        if isinstance(drafter, VFMDrafter):
-            drafter.observe(hidden[: n_pending + j])
+        drafter.observe(hidden[: n_pending + j])
         new, stop = cut_at_eos(new[:remaining], eos)
         canvas.commit(new)
         if on_step is not None:

@@ -34,8 +34,9 @@ STAGE = "eval"
 FORMAT_VERSION = 4  # 4: the decoder registry (branched spec:head, a2d's own prompt lookup, honest counts)
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # a2d's own lm-eval tasks (a2d_bundled)
 COUNTING_RULES = (
-    "a forward is one model call over whatever it is fed (draft+verify once; the VFM prompt forward counts); "
-    "tokens are generated response tokens up to and including EOS; prompt tokens are not counted"
+    "a forward is every model call over whatever it is fed (a verify+draft forward once; flow-map, prompt and "
+    "drafter forwards count); tokens are generated response tokens up to and including EOS; prompt tokens are "
+    "not counted; accepted counts drafted tokens only"
 )
 SHARD = EVAL_SHARD
 Decoder = Callable[[list[int]], Decoded]  # prompt -> tokens and counts
