@@ -22,6 +22,8 @@ Drafters (what proposes d_1..d_k and what it costs):
   prompt); its flow-map forward is counted, and the base's next token it computes on a clean row
   lands directly (it is exact), so accepted drafts count only what the VFM drafted.
 - `ModelDrafter`: an external causal LM drafting greedily with its own cache; its forwards count.
+- `DFlashDraft`: a block-diffusion drafter (`a2d.models.drafter`) reading the verifier's own layer
+  outputs, captured by hooks in the verify forward; one drafter forward per block, counted.
 
 Counts (`Decoded`): `forwards` is every model call (verify, flow-map and drafter forwards);
 `drafted[i]` / `accepted[i]` are the drafts fed to verify forward i and how many of them held.
@@ -29,10 +31,14 @@ Counts (`Decoded`): `forwards` is every model call (verify, flow-map and drafter
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from a2d.models.block_decode import Decoded, OnStep, cut_at_eos
 from a2d.models.canvas import Canvas, truncate_attention
+from a2d.models.capture import capture_layers
 from a2d.models.student import Student, lm_head
 
 Runs = list[tuple[int, int]]  # (attach, length) per open run, see Canvas.forward
@@ -56,6 +62,10 @@ class Drafter:
     def start(self, canvas: Canvas) -> Proposal:
         """Drafts for the first forward (from the prompt alone)."""
         return Proposal()
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """Held around one prompt's whole decode (e.g. hooks on the verifier)."""
+        return contextlib.nullcontext()
 
     def region(self, n_drafts: int, remaining: int) -> tuple[list[int], Runs | None]:
         """The open region fed after `n_drafts` drafts when `remaining` tokens may still land."""
@@ -227,6 +237,76 @@ class VFMDrafter(Drafter):
         return Proposal(tokens[1:], landed=tokens[:1])
 
 
+class DFlashDraft(Drafter):
+    """A DFlash drafter: the verify forward's outputs of the drafter's target layers (forward hooks,
+    the same forward) become its context; one drafter forward drafts a block from
+    `[newest committed token, MASK x (L-1)]`.
+
+    Only committed rows enter the drafter's context (keys/values per draft layer, appended after
+    each verify), so a rejected draft leaves nothing to roll back there; the verifier's own cache
+    (attention truncated, recurrent state restored) is the canvas's. `seconds` is the time spent in
+    the drafter's own forwards (its cost next to the verify forwards').
+    """
+
+    def __init__(self, student: Student, drafter: torch.nn.Module, block: int | None = None):
+        cfg = drafter.config
+        hidden = student.inner.get_input_embeddings().weight.shape[1]
+        if cfg.hidden_size != hidden:
+            raise ValueError(f"the drafter's hidden_size {cfg.hidden_size} is not the verifier's {hidden}")
+        self.student, self.drafter = student, drafter
+        self.layers = list(cfg.target_layer_ids)
+        self.length = min(block or cfg.block_size, cfg.block_size)
+        self.embed = student.inner.get_input_embeddings()
+        head = lm_head(student)
+        self.vocab = drafter.draft_vocab
+        weight = head.weight if self.vocab is None else head.weight[self.vocab.to(head.weight.device)]
+        bias = getattr(head, "bias", None)
+        if bias is not None and self.vocab is not None:
+            bias = bias[self.vocab.to(bias.device)]
+        self.head_weight, self.head_bias = weight.detach(), bias
+        self._fed: dict[int, torch.Tensor] = {}  # layer -> its output rows of the last verify forward
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.context = 0  # committed tokens whose states the drafter's context holds
+        self.seconds = 0.0
+
+    def session(self) -> contextlib.AbstractContextManager:
+        def keep(layer: int, hidden: torch.Tensor) -> None:
+            self._fed[layer] = hidden[0]
+
+        return capture_layers(self.student.inner, self.layers, keep)
+
+    def observe(self, committed: torch.Tensor) -> None:
+        n = committed.shape[0]
+        started = time.perf_counter()
+        features = torch.cat([self._fed[layer][:n] for layer in self.layers], -1)[None]  # (1, n, K*H)
+        positions = torch.arange(self.context, self.context + n, device=features.device)[None]
+        kv = self.drafter.context_kv(self.drafter.fuse(features), positions)
+        if self._kv is None:
+            self._kv = kv
+        else:
+            self._kv = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(self._kv, kv)]
+        self.context += n
+        self.seconds += time.perf_counter() - started
+
+    def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
+        if remaining < 2:
+            return Proposal()
+        length = self.length  # the whole block, as in training; drafts past the budget are dropped
+        if self.context != len(canvas.tokens) - 1:
+            raise AssertionError(f"drafter context {self.context} != committed tokens {len(canvas.tokens) - 1} - 1")
+        started = time.perf_counter()
+        ids = torch.full((1, length), self.drafter.config.mask_token_id, device=self.head_weight.device)
+        ids[0, 0] = canvas.tokens[-1]
+        positions = torch.arange(self.context, self.context + length, device=ids.device)[None]
+        states = self.drafter(self.embed(ids), positions, self._kv)[0, 1:]  # (L - 1, H)
+        logits = torch.nn.functional.linear(states.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+        best = logits.argmax(-1)
+        tokens = (best if self.vocab is None else self.vocab.to(best.device)[best]).tolist()[: remaining - 1]
+        self.forwards += 1
+        self.seconds += time.perf_counter() - started
+        return Proposal(tokens)
+
+
 @torch.no_grad()
 def speculative_decode(
     student: Student,
@@ -248,7 +328,22 @@ def speculative_decode(
     sampling = (temperature, generator) if temperature > 0 else None
     eos = set(eos_ids)
     canvas = Canvas(student, prompt, cached=True)
+    with drafter.session():
+        return _decode_loop(student, canvas, max_new_tokens, eos, drafter, sampling, on_step, draft_len)
+
+
+def _decode_loop(
+    student: Student,
+    canvas: Canvas,
+    max_new_tokens: int,
+    eos: set[int],
+    drafter: Drafter,
+    sampling: tuple[float, torch.Generator | None] | None,
+    on_step: OnStep | None,
+    draft_len: int,
+) -> Decoded:
     head = lm_head(student)
+    temperature, generator = sampling or (0.0, None)
     out: list[int] = []
     steps: list[int] = []
     drafted: list[int] = []

@@ -1,0 +1,124 @@
+"""The DFlash drafter: its checkpoint read back by the format alone, lossless decoding with it on both
+architectures, and the block a decode step feeds it equal to the block training feeds it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from a2d.models.capture import capture_layers
+from a2d.models.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    block_mask,
+    position_weights,
+    spread_layers,
+)
+from a2d.models.speculative import DFlashDraft, speculative_decode
+from tests.conftest import ARCHS, trained_like
+from tests.test_decoding import EOS, PROMPT, base_greedy
+
+
+def tiny_drafter(student, block=4, layers=(0, 1), seed=0) -> DFlashDrafter:
+    cfg = student.inner.config
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(
+        DrafterConfig(
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=96,
+            vocab_size=cfg.vocab_size,
+            block_size=block,
+            target_layer_ids=tuple(layers),
+            num_target_layers=cfg.num_hidden_layers,
+            mask_token_id=cfg.vocab_size - 1,
+        )
+    )
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_saved_drafter_reads_back_by_the_format_and_decodes_losslessly(small_teachers, arch, tmp_path):
+    student = trained_like(small_teachers, arch)
+    drafter = tiny_drafter(student)
+    drafter.draft_vocab = torch.arange(3, 250)
+    drafter.save(tmp_path / "drafter")
+    doc = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert doc["architectures"] == ["DFlashDraftModel"] and doc["model_type"] == "qwen3"
+    assert doc["hidden_size"] == student.inner.config.hidden_size
+    assert doc["vocab_size"] == student.inner.config.vocab_size
+    assert doc["block_size"] == doc["dflash_config"]["block_size"] == 4
+    assert doc["dflash_config"]["target_layer_ids"] == [0, 1]
+    assert doc["num_target_layers"] == student.inner.config.num_hidden_layers
+    for field in ("rms_norm_eps", "intermediate_size", "num_key_value_heads", "head_dim", "rope_parameters"):
+        assert field in doc
+    with safe_open(str(tmp_path / "drafter" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").shape == (doc["hidden_size"], 2 * doc["hidden_size"])
+        assert f.get_tensor("fc.weight").dtype == torch.float32
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n or n.startswith("model.") for n in names)
+
+    loaded = DFlashDrafter.load(tmp_path / "drafter")
+    for k, v in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
+    truth = base_greedy(student, PROMPT, 16)
+    draft = DFlashDraft(student, loaded)
+    out = speculative_decode(student, PROMPT, 16, EOS, draft, draft_len=3)
+    assert out.tokens == truth
+    assert draft.forwards == sum(d > 0 for d in out.drafted)  # one drafter forward per drafted verify
+    assert out.forwards == len(out.drafted) + draft.forwards  # every model call counts
+    assert max(out.drafted) == 3  # [newest, MASK x 3]: three drafts per block
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_decode_step_feeds_the_drafter_what_training_feeds_it(small_teachers, arch):
+    """The drafter's context built incrementally from verify forwards (hooks, accepted rows only)
+    equals the context training builds from one teacher forward of the whole sequence, and the
+    block's states match the training layout (many blocks per sequence under `block_mask`)."""
+    student = trained_like(small_teachers, arch)
+    drafter = tiny_drafter(student, block=4)
+    draft = DFlashDraft(student, drafter)
+    seen = []
+    original = drafter.forward
+
+    def spy(block, positions, ctx_kv, mask=None):
+        seen.append((positions[0, 0].item(), original(block, positions, ctx_kv, mask)))
+        return seen[-1][1]
+
+    drafter.forward = spy
+    out = speculative_decode(student, PROMPT, 12, EOS, draft, draft_len=3)
+    drafter.forward = original
+    sequence = PROMPT + out.tokens
+    feats = {}
+    with student.base() as model, capture_layers(model, [0, 1], lambda i, h: feats.__setitem__(i, h)):
+        model(input_ids=torch.tensor([sequence]), use_cache=False)
+    features = torch.cat([feats[0], feats[1]], -1)  # (1, T, 2H) one forward over everything
+    context = drafter.fuse(features)
+    kv = drafter.context_kv(context, torch.arange(len(sequence))[None])
+    starts = torch.tensor([[s for s, _ in seen]])
+    embed = student.inner.get_input_embeddings()
+    ids = torch.full((1, starts.shape[1], 4), drafter.config.mask_token_id)
+    ids[0, :, 0] = torch.tensor([sequence[s] for s, _ in seen])
+    positions = (starts[..., None] + torch.arange(4)).reshape(1, -1)
+    mask = block_mask(starts, torch.tensor([len(sequence)]), len(sequence), 4)
+    trained = drafter(embed(ids.reshape(1, -1)), positions, kv, mask).reshape(1, starts.shape[1], 4, -1)
+    assert len(seen) >= 3
+    for m, (_, decoded) in enumerate(seen):  # every block is whole, the last ones too
+        torch.testing.assert_close(decoded[0], trained[0, m], atol=2e-5, rtol=1e-4)
+
+
+def test_block_layout_and_weights():
+    mask = block_mask(torch.tensor([[2, 4]]), torch.tensor([5]), 6, 2)  # (1, 4, 6 + 4)
+    assert mask[0, :2, :6].tolist() == [[True, True, False, False, False, False]] * 2
+    assert mask[0, 2:, :6].tolist() == [[True, True, True, True, False, False]] * 2  # ctx_len 5 > 4
+    assert mask[0, :, 6:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+    w = position_weights(4, 2.0)
+    torch.testing.assert_close(w, torch.tensor([1.0, 0.6065307, 0.3678794]))
+    assert spread_layers(64, 1) == [32] and spread_layers(30, 4) == [1, 10, 18, 27]
