@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"store={os.environ['A2D_STORE']}")
     config = load_config(args.config, overrides)
     until = args.until or STAGES[-1]
-    stages_until(until)
+    stages_until(until, config)
     start = time.perf_counter()
     # The store decides reuse: when every artifact is already complete, no flow (and no
     # Prefect server) needs to start at all.

@@ -21,11 +21,15 @@ def eval_flow(
     spec: EvalSpec = EvalSpec(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
+    drafter: ArtifactRef | None = None,
 ) -> ArtifactRef:
     """Speed and quality of every decoder; metrics.json, a speed/quality plot and a Markdown report."""
-    enforce(store=store, run=opts, refs=(teacher, responses, head, vfm))  # a served run: before any work
+    upstream = (teacher, responses, head, vfm) + ((drafter,) if drafter is not None else ())
+    enforce(store=store, run=opts, refs=upstream)  # a served run: before any work
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm}
+    if drafter is not None:
+        refs["drafter"] = drafter
     return run_sharded(
         st,
         stage.key_inputs(spec, {k: v.key for k, v in refs.items()}),

@@ -9,6 +9,7 @@ from typing import Literal
 from prefect import flow
 
 from a2d.flows.anchors import anchors_flow
+from a2d.flows.drafter import drafter_flow
 from a2d.flows.evaluate import eval_flow
 from a2d.flows.head import head_flow
 from a2d.flows.outcomes import Outcome, observe, table
@@ -21,10 +22,12 @@ from a2d.flows.vfm import vfm_flow
 from a2d.specs import STAGES, PipelineConfig
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.stores.keys import KeyInputs
-from a2d.tasks import anchors, evaluate, head, prompts, responses, teacher, trajectories, vfm
+from a2d.tasks import anchors, drafter, evaluate, head, prompts, responses, teacher, trajectories, vfm
 from a2d.tasks.runtime import in_prefect_run
 
-StageName = Literal["teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval"]
+StageName = Literal[
+    "teacher", "prompts", "responses", "anchors", "drafter", "trajectories", "head", "vfm", "eval"
+]
 Refs = dict[str, ArtifactRef]
 SUMMARY_KEY = "a2d-pipeline"  # the pipeline run's own table: one row per stage
 
@@ -58,6 +61,10 @@ STEPS: dict[str, Step] = {
         lambda c, r: anchors.key_inputs(c.anchors, c.teacher.load, r["responses"].key, r["teacher"].key),
         lambda c, r: anchors_flow(r["responses"], r["teacher"], c.anchors, c.teacher, c.store, c.run),
     ),
+    "drafter": Step(
+        lambda c, r: drafter.key_inputs(c.drafter, r["teacher"].key, r["responses"].key, r["anchors"].key),
+        lambda c, r: drafter_flow(r["teacher"], r["responses"], r["anchors"], c.drafter, c.train, c.store, c.run),
+    ),
     "trajectories": Step(
         lambda c, r: trajectories.key_inputs(c.trajectories, r["responses"].key, r["anchors"].key),
         lambda c, r: trajectories_flow(r["responses"], r["anchors"], c.trajectories, c.store, c.run),
@@ -82,9 +89,11 @@ STEPS: dict[str, Step] = {
     ),
     "eval": Step(
         lambda c, r: evaluate.key_inputs(
-            c.eval, {k: r[k].key for k in ("teacher", "responses", "head", "vfm")}
+            c.eval, {k: r[k].key for k in ("teacher", "responses", "head", "vfm", "drafter") if k in r}
         ),
-        lambda c, r: eval_flow(r["teacher"], r["responses"], r["head"], r["vfm"], c.eval, c.store, c.run),
+        lambda c, r: eval_flow(
+            r["teacher"], r["responses"], r["head"], r["vfm"], c.eval, c.store, c.run, drafter=r.get("drafter")
+        ),
     ),
 }
 
@@ -95,36 +104,45 @@ def preflight(config: PipelineConfig, stages: tuple[str, ...], refs: Refs) -> No
     if "anchors" not in stages:
         return
     if "teacher" in refs:
-        anchors.check_layers(
-            config.anchors, anchors.teacher_layer_count(ArtifactStore(config.store), refs["teacher"])
-        )
+        layers = anchors.teacher_layer_count(ArtifactStore(config.store), refs["teacher"])
     elif config.teacher.source == "random":
-        anchors.check_layers(config.anchors, config.teacher.layers)
+        layers = config.teacher.layers
+    else:
+        return
+    anchors.check_layers(config.anchors, layers)
+    if "drafter" in stages and config.drafter is not None:
+        drafter.check_config(config.drafter, config.anchors, layers)
 
 
-def stages_until(until: str) -> tuple[str, ...]:
+def stages_until(until: str, config: PipelineConfig | None = None) -> tuple[str, ...]:
+    """The stages a run up to `until` builds; the drafter only where the config has one."""
     if until not in STAGES:
         raise ValueError(f"unknown stage {until!r}: choose one of {', '.join(STAGES)}")
-    return STAGES[: STAGES.index(until) + 1]
+    if config is not None and config.drafter is None and until == "drafter":
+        raise ValueError("--until drafter, but the config sets drafter: null (no drafter stage)")
+    stages = STAGES[: STAGES.index(until) + 1]
+    if config is not None and config.drafter is None:
+        stages = tuple(s for s in stages if s != "drafter")
+    return stages
 
 
 def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
     """The artifact every stage up to `until` would produce, computed from specs alone."""
     store = ArtifactStore(config.store)
     refs: Refs = {}
-    for stage in stages_until(until):
+    for stage in stages_until(until, config):
         refs[stage] = store.ref_for(STEPS[stage].inputs(config, refs))
     return refs
 
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
-    """teacher → prompts → responses → anchors → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
+    """teacher → prompts → responses → anchors → drafter → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
     enforce_config(config)  # a served run: before any work
     store = ArtifactStore(config.store)
     refs: Refs = {}
     done: list[Outcome] = []
-    stages = stages_until(until)
+    stages = stages_until(until, config)
     preflight(config, stages, refs)
     for stage in stages:
         planned = store.ref_for(STEPS[stage].inputs(config, refs))

@@ -14,6 +14,7 @@ sequence through all four (a test checks it).
 | `spec:head+lookup` | yes | block/masked head | the head's runs and n-gram lookup, the better per forward |
 | `spec:vfm` | yes | vfm | the VFM's one-step block drafts, the base verifies |
 | `spec:model` | yes | a draft model | an external causal LM drafts greedily, the base verifies |
+| `spec:drafter` | yes | drafter | the DFlash drafter drafts a block from the verify forward's layer outputs |
 | `threshold:P` | no | head | block decoding, commit positions with confidence >= P |
 | `entropy:H` | no | head | block decoding, commit positions with entropy <= H (d3LLM) |
 | `head:k1` | no | head | a whole block per forward (threshold 0) |
@@ -36,6 +37,7 @@ from torch import nn
 from a2d.models.ar import ar_decode, hf_prompt_lookup
 from a2d.models.block_decode import Decoded, OnStep, threshold_decode
 from a2d.models.speculative import (
+    DFlashDraft,
     HeadDrafter,
     HeadLookupDrafter,
     LookupDrafter,
@@ -92,6 +94,7 @@ FAMILIES: dict[str, tuple[bool, tuple[str, ...]]] = {
     "spec:head+lookup": (True, ("spec-head",)),
     "spec:vfm": (True, ("spec-head", "vfm")),
     "spec:model": (True, ("head", "draft-model")),
+    "spec:drafter": (True, ("head", "drafter")),
     "threshold": (False, ("head",)),
     "entropy": (False, ("head",)),
     "head:k1": (False, ("head",)),
@@ -129,6 +132,7 @@ class Resources:
     teacher: nn.Module | None = None
     vfm: tuple[Any, Student] | None = None  # (noise adapter, flow map)
     draft_model: nn.Module | None = None
+    drafter: nn.Module | None = None  # a DFlash drafter (a2d.models.drafter) for this teacher
     untrained: Callable[[], Student] | None = None
     pad_id: int | None = None
     profile: Profile | None = None
@@ -158,6 +162,8 @@ def missing(info: DecoderInfo, res: Resources) -> str | None:
             return "needs a vfm artifact"
         if need == "draft-model" and res.draft_model is None:
             return "needs a draft model"
+        if need == "drafter" and res.drafter is None:
+            return "needs a drafter artifact (the drafter stage)"
         if need == "attention-only" and res.student.hybrid:
             return (
                 "transformers refuses prompt lookup on stateful (hybrid) models; ar:prompt-lookup runs there"
@@ -213,6 +219,9 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
         return spec(lambda: VFMDrafter(flow_map, adapter, s.block_size, res.shifted))
     if name == "spec:model":
         return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len))
+    if name == "spec:drafter":
+        block = res.drafter.config.block_size
+        return lambda p: speculative_decode(s, p, n, eos, DFlashDraft(s, res.drafter), on_step=on_step, draft_len=block)
     if family == "threshold":
         return threshold(lambda: s, float(arg))
     if family == "entropy":

@@ -276,6 +276,10 @@ class DFlashDrafter(nn.Module):
         if self.draft_vocab is not None:
             save_file({"token_ids": self.draft_vocab.to(torch.int64).contiguous()}, str(out / VOCAB))
 
+    def save_pretrained(self, out, safe_serialization: bool = True) -> None:
+        """The trainer's checkpoint hook (`a2d.stores.checkpoints.save`): the same DFlash directory."""
+        self.save(Path(out))
+
     @classmethod
     def load(cls, folder: Path, device: str | torch.device = "cpu") -> DFlashDrafter:
         """A drafter from the format alone (config.json and safetensors; no pickle)."""

@@ -12,6 +12,7 @@ from a2d.specs.config import (
 from a2d.specs.policy import ServePolicy
 from a2d.specs.stages import (
     AnchorSpec,
+    DrafterSpec,
     EvalSpec,
     HeadSpec,
     LoadSpec,
@@ -27,6 +28,7 @@ __all__ = [
     "STAGES",
     "AnchorSpec",
     "ConfigError",
+    "DrafterSpec",
     "EvalSpec",
     "HeadSpec",
     "LoadSpec",

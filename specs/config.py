@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError
 
 from a2d.specs.stages import (
     AnchorSpec,
+    DrafterSpec,
     EvalSpec,
     HeadSpec,
     PromptSpec,
@@ -63,7 +64,7 @@ class RunOptions(Spec):
     progress: bool = Field(True, description="Show progress bars")
 
 
-STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval")
+STAGES = ("teacher", "prompts", "responses", "anchors", "drafter", "trajectories", "head", "vfm", "eval")
 
 
 class PipelineConfig(Spec):
@@ -77,6 +78,10 @@ class PipelineConfig(Spec):
     prompts: PromptSpec = Field(default_factory=PromptSpec)
     responses: ResponseSpec = Field(default_factory=ResponseSpec)
     anchors: AnchorSpec = Field(default_factory=AnchorSpec)
+    drafter: DrafterSpec | None = Field(
+        default_factory=DrafterSpec,
+        description="The DFlash drafter stage (needs anchors.tokens: all); null = no drafter stage",
+    )
     trajectories: TrajectorySpec = Field(default_factory=TrajectorySpec)
     head: HeadSpec = Field(default_factory=HeadSpec)
     vfm: VFMSpec = Field(default_factory=VFMSpec)

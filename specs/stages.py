@@ -6,7 +6,7 @@ them. The same models are Prefect flow parameters (the UI renders them as forms)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,6 +32,10 @@ TITLES = {
     "hub_revision": "Hub dataset revision",
     "repo_id": "Hub repository id",
     "head_key": "Head artifact key",
+    "gamma": "Position-weight decay γ",
+    "target_layers": "Target layers read (output of layer k)",
+    "feature_layers": "Target layers read (count, spread)",
+    "blocks_per_sample": "Blocks per sequence per step",
 }
 ACRONYMS = {
     "lora": "LoRA",
@@ -126,6 +130,9 @@ class PromptSpec(Spec):
     )
     bundled_rows: int = Field(240, ge=1, le=100_000, description="bundled: number of generated prompts")
     bundled_seed: int = Field(0, ge=0, description="bundled: generator seed")
+    bundled_style: Literal["answer", "steps"] = Field(
+        "answer", description="bundled: ask for just the answer, or for the steps and then the answer (longer responses)"
+    )
     files: tuple[str, ...] = Field((), description="files: local .jsonl/.json/.parquet/.csv paths")
     hub_id: str | None = Field(None, description="hub: dataset id")
     hub_revision: str | None = Field(None, description="hub: pinned dataset revision")
@@ -182,7 +189,7 @@ class AnchorSpec(Spec):
         8, ge=0, le=1024, description="int8: channels per layer kept exactly in bf16"
     )
     tokens: Literal["response", "all"] = Field(
-        "response", description="Store response tokens only, or every token"
+        "all", description="Store every token (the drafter's context needs the prompt's), or response tokens only"
     )
 
 
@@ -315,10 +322,46 @@ class VFMSpec(Spec):
     lora_lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate of the LoRA adapters when tuned")
 
 
+class DrafterSpec(Spec):
+    """The DFlash block-diffusion drafter trained from the anchors; every field is part of the drafter key."""
+
+    layers: int = Field(1, ge=1, le=64, description="Draft decoder layers (the hidden size is the teacher's)")
+    target_layers: tuple[int, ...] | None = Field(
+        None,
+        description="Teacher layers whose outputs the drafter reads (0-based, 'output of layer k'); "
+        "unset = `feature_layers` layers spread over the depth as DFlash does",
+    )
+    feature_layers: int = Field(4, ge=1, le=64, description="How many teacher layers when target_layers is unset")
+    block_size: int = Field(8, ge=2, le=64, description="Block: the last committed token and block_size-1 masks")
+    intermediate_size: int | None = Field(
+        None, ge=16, le=131_072, description="MLP width; unset = the teacher's"
+    )
+    gamma: float = Field(
+        4.0, gt=0.0, le=1000.0, description="CE weight of block offset k is exp(-(k-1)/γ) (DFlash: 7 at block 16)"
+    )
+    blocks_per_sample: int = Field(
+        16, ge=1, le=1024, description="Random block starts per response per step (each sees only its prefix)"
+    )
+    vocab: Literal["full", "train"] = Field(
+        "full",
+        description="Draft softmax over the whole vocabulary, or only tokens of the training prompts and "
+        "responses (cheap on CPU; a2d's decoder drafts from the same set, engines use the full head)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Drafter weights (bfloat16 on GPU)")
+    steps: int = Field(200, ge=1, le=10_000_000, description="Optimizer steps")
+    micro_batch_size: int = Field(8, ge=1, le=1024, description="Responses per step")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Peak AdamW learning rate")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping")
+    seed: int = Field(0, ge=0, description="Seed of initialisation, data order and block starts")
+
+
 # Names the decoder registry (a2d.models.decoders) builds without extra resources; the form refuses others.
 DECODER_NAME = (
     r"^(ar:greedy|ar:student-base|ar:prompt-lookup|hf:prompt-lookup|spec:head|spec:head\+lookup|spec:vfm|"
-    r"head:k1|untrained:k1|threshold:[0-9]*\.?[0-9]+|entropy:[0-9]*\.?[0-9]+|vfm:k[1-9][0-9]*)$"
+    r"spec:drafter|head:k1|untrained:k1|threshold:[0-9]*\.?[0-9]+|entropy:[0-9]*\.?[0-9]+|vfm:k[1-9][0-9]*)$"
 )
 
 
@@ -347,4 +390,9 @@ class EvalSpec(Spec):
     untrained_baseline: bool = Field(
         True,
         description="Also decode with the untrained student (same base, fresh adapter) one block per forward, like head:k1",
+    )
+    decoders: tuple[Annotated[str, Field(pattern=DECODER_NAME)], ...] | None = Field(
+        None,
+        description="Run only these decoders (a2d.models.decoders names; ar:greedy and ar:student-base always run); "
+        "unset = every decoder the fields above name",
     )

@@ -28,6 +28,8 @@ KINDS: tuple[str, ...] = (
 
 _NUMBER_SUFFIX = "Answer with just the number."
 _LIST_SUFFIX = "Answer with the numbers separated by commas."
+_STEPS_SUFFIX = "Explain your reasoning step by step, then give the answer."
+STYLES = ("answer", "steps")
 
 _NAMES = (
     ("Tom", "he"),
@@ -251,17 +253,26 @@ _GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 }
 
 
-def generate(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """Return ``n`` rows; kinds cycle in ``KINDS`` order; a row depends only on (seed, index)."""
+def generate(n: int, seed: int = 0, style: str = "answer") -> list[dict[str, str]]:
+    """Return ``n`` rows; kinds cycle in ``KINDS`` order; a row depends only on (seed, index).
+
+    `style` "steps" asks for the reasoning before the answer (responses of a few dozen tokens, where a
+    drafter has room to draft); "answer" asks for the answer alone.
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     rows = []
     for index in range(n):
         kind = KINDS[index % len(KINDS)]
         # A per-row string seed keeps rows independent, so growing n only appends.
         rng = random.Random(f"{seed}-{index}")
         question, answer = _GENERATORS[kind](rng)
-        if kind == "sorting":
+        if style == "steps":
+            reference = answer if kind == "sorting" else f"The answer is {answer}."
+            prompt, response = f"{question} {_STEPS_SUFFIX}", reference
+        elif kind == "sorting":
             prompt, response = f"{question} {_LIST_SUFFIX}", answer
         else:
             prompt, response = f"{question} {_NUMBER_SUFFIX}", f"The answer is {answer}."

@@ -28,7 +28,7 @@ from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import artifact_key as prefect_key
 from a2d.tasks.runtime import in_prefect_run
-from a2d.tasks.students import head_student, load_flow_map, load_student, load_vfm
+from a2d.tasks.students import head_student, load_drafter, load_flow_map, load_student, load_vfm
 
 STAGE = "eval"
 FORMAT_VERSION = 4  # 4: the decoder registry (branched spec:head, a2d's own prompt lookup, honest counts)
@@ -43,10 +43,19 @@ Decoder = Callable[[list[int]], Decoded]  # prompt -> tokens and counts
 MIN_CORRECT_TO_RANK = 10  # fewer correct answers than this by the best decoder: AUP uses agreement
 
 
-def decoder_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
+def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) -> list[str]:
     """Every decoder the eval runs (names from `a2d.models.decoders`), in report order. The list is
     part of the eval key, so a decoder added here gives a new key without a hand-bumped FORMAT_VERSION."""
+    if spec.decoders is not None:
+        chosen = [n for n in spec.decoders if n not in ("ar:greedy", "ar:student-base")]
+        for name in chosen:
+            needs = registry.describe(name).needs
+            if ("vfm" in needs and not with_vfm) or ("drafter" in needs and not with_drafter):
+                raise ValueError(f"eval.decoders names {name}, but the eval has no {needs[-1]} artifact to run it")
+        return ["ar:greedy", "ar:student-base", *dict.fromkeys(chosen)]
     names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
+    if with_drafter:
+        names.append("spec:drafter")
     names += [f"threshold:{t:g}" for t in spec.thresholds]
     names += [f"entropy:{e:g}" for e in spec.entropy_thresholds]
     names.append("head:k1")
@@ -61,7 +70,10 @@ def decoder_names(spec: EvalSpec, with_vfm: bool) -> list[str]:
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
     """The eval key: the eval spec, the decoders it runs, every artifact it evaluates, and the
     lm-eval version when it runs lm-eval tasks (their prompts and metrics change between versions)."""
-    payload = {**spec.model_dump(mode="json"), "decoders": decoder_names(spec, "vfm" in upstream)}
+    payload = {
+        **spec.model_dump(mode="json"),
+        "decoders": decoder_names(spec, "vfm" in upstream, "drafter" in upstream),
+    }
     if not spec.lm_eval_tasks:  # without tasks the lm-eval fields change nothing: keep older keys
         for name in ("lm_eval_tasks", "lm_eval_limit", "lm_eval_decoder"):
             payload.pop(name)
@@ -95,7 +107,13 @@ def export_heldout(rows: list[dict], prompts: dict[str, str], path) -> None:
 
 
 def run_lm_eval(
-    store: ArtifactStore, spec: EvalSpec, head: ArtifactRef, student: Student, dspec, heldout
+    store: ArtifactStore,
+    spec: EvalSpec,
+    head: ArtifactRef,
+    student: Student,
+    dspec,
+    heldout,
+    drafter: ArtifactRef | None = None,
 ) -> dict:
     """lm-eval's own evaluator over `spec.lm_eval_tasks` with the head's student (already loaded)."""
     import lm_eval
@@ -104,7 +122,12 @@ def run_lm_eval(
     from a2d.tasks.harness import A2DLM
 
     model = A2DLM(
-        store=store.root.uri, head=head.key, decoder=spec.lm_eval_decoder, student=student, dspec=dspec
+        store=store.root.uri,
+        head=head.key,
+        decoder=spec.lm_eval_decoder,
+        student=student,
+        dspec=dspec,
+        drafter=drafter.key if drafter is not None else None,
     )
     results = lm_eval.simple_evaluate(
         model=model,
@@ -177,6 +200,7 @@ def evaluate(
     vfm = None
     if "vfm" in refs:
         vfm = (load_vfm(store, refs["vfm"], device), load_flow_map(store, refs["vfm"], student, device))
+    drafter = load_drafter(store, refs["drafter"], refs["teacher"], device) if "drafter" in refs else None
     res = registry.Resources(
         student,
         eos,
@@ -184,12 +208,13 @@ def evaluate(
         device=device,
         teacher=teacher,
         vfm=vfm,
+        drafter=drafter,
         pad_id=tok.pad_token_id,
         logit_alignment=dspec.logit_alignment,
         # same base, attention and scope, a fresh rank-1 adapter and mask embedding
         untrained=lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1),
     )
-    names = decoder_names(spec, "vfm" in refs)
+    names = decoder_names(spec, "vfm" in refs, "drafter" in refs)
     built, skipped = {}, {}
     for name in names:
         why = registry.missing(registry.describe(name), res)
@@ -205,7 +230,9 @@ def evaluate(
         }
         export_heldout(rows, texts, out / "heldout.jsonl")
         if spec.lm_eval_tasks:
-            lm_eval_doc = run_lm_eval(store, spec, refs["head"], student, dspec, out / "heldout.jsonl")
+            lm_eval_doc = run_lm_eval(
+                store, spec, refs["head"], student, dspec, out / "heldout.jsonl", refs.get("drafter")
+            )
             (out / "lm_eval.json").write_text(json.dumps(lm_eval_doc, indent=2, sort_keys=True, default=str))
     results: dict[str, Any] = {}
     for name in names:

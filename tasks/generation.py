@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from a2d.models import decoders as registry
 from a2d.models.generate import eos_ids
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
-from a2d.tasks.students import load_flow_map, load_student, load_vfm
+from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
 
 
 @dataclass
@@ -78,12 +78,17 @@ def generate(
     if registry.describe(decoder).family in ("vfm",) or decoder == "spec:vfm":
         ref = newest_vfm(store, head)
         vfm = (load_vfm(store, ref, device), load_flow_map(store, ref, student, device))
+    drafter = None
+    if "drafter" in registry.describe(decoder).needs:
+        teacher = store.ref("teacher", store.manifest(head)["upstream"]["teacher"])
+        drafter = load_drafter(store, newest_drafter(store, teacher), teacher, device)
     res = registry.Resources(
         student,
         eos,
         max_new_tokens,
         device=device,
         vfm=vfm,
+        drafter=drafter,
         pad_id=tok.pad_token_id,
         logit_alignment=dspec.logit_alignment,
     )
@@ -120,6 +125,18 @@ def newest_vfm(store: ArtifactStore, head: ArtifactRef) -> ArtifactRef:
     if not vfms:
         raise ValueError(f"no vfm artifact of head {head.key}: run `a2d run CONFIG --until vfm` first")
     return max(vfms, key=lambda r: store.manifest(r)["created"])
+
+
+def newest_drafter(store: ArtifactStore, teacher: ArtifactRef) -> ArtifactRef:
+    """The newest complete drafter artifact of `teacher`; an error saying what to run when none is."""
+    found = [
+        r
+        for r in store.iter_refs("drafter")
+        if store.is_complete(r) and store.manifest(r)["upstream"].get("teacher") == teacher.key
+    ]
+    if not found:
+        raise ValueError(f"no drafter artifact of teacher {teacher.key}: run `a2d run CONFIG --until drafter` first")
+    return max(found, key=lambda r: store.manifest(r)["created"])
 
 
 def render_steps(gen: Generation) -> str:

@@ -26,7 +26,7 @@ from a2d.models.generate import eos_ids
 from a2d.models.student import Student
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.generation import find_head
-from a2d.tasks.students import load_flow_map, load_student, load_vfm
+from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
 
 
 @register_model("a2d")
@@ -39,6 +39,7 @@ class A2DLM(LM):
         head: str | None = None,
         decoder: str = "spec:head",
         vfm: str | None = None,
+        drafter: str | None = None,
         max_gen_toks: int = 256,
         device: str = "cpu",
         student: Student | None = None,
@@ -62,6 +63,12 @@ class A2DLM(LM):
                 raise ValueError(f"decoder={decoder} needs vfm=KEY (a vfm artifact of this head)")
             ref = self.store.find(f"vfm/{vfm}")
             loaded = (load_vfm(self.store, ref, device), load_flow_map(self.store, ref, student, device))
+        self.drafter = None
+        if "drafter" in info.needs:
+            if not drafter:
+                raise ValueError(f"decoder={decoder} needs drafter=KEY (a drafter artifact of this head's teacher)")
+            teacher = self.store.ref("teacher", self.store.manifest(self.head_ref)["upstream"]["teacher"])
+            self.drafter = load_drafter(self.store, self.store.find(f"drafter/{drafter}"), teacher, device)
         self.tok = student.tok
         self.eos = eos_ids(student.inner, self.tok)
         self.decode_device, self.vfm = device, loaded
@@ -77,6 +84,7 @@ class A2DLM(LM):
                 budget,
                 device=self.decode_device,
                 vfm=self.vfm,
+                drafter=self.drafter,
                 pad_id=self.tok.pad_token_id,
             )
             self._built[budget] = registry.build(self.decoder, res)

@@ -168,7 +168,7 @@ def _source_rows_cached(spec_json: str, identity_json: str) -> tuple[tuple[dict[
     spec = PromptSpec.model_validate_json(spec_json)
     rejected: Counter = Counter()
     if spec.source == "bundled":
-        return tuple(bundled.generate(spec.bundled_rows, spec.bundled_seed)), ()
+        return tuple(bundled.generate(spec.bundled_rows, spec.bundled_seed, spec.bundled_style)), ()
     if spec.source == "hub":
         ds = load_dataset(spec.hub_id, revision=spec.hub_revision, split=spec.split)
         return tuple({"__row__": f"row-{i:06d}", **row} for i, row in enumerate(ds)), ()

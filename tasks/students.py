@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
+import json
+
 from a2d.models import fast_lora
+from a2d.models.drafter import DFlashDrafter
 from a2d.models.student import DiffusionSpec, Student, apply_lora, build_student, lora_parameters
 from a2d.models.vfm import NoiseAdapter
 from a2d.specs import HeadSpec
@@ -16,6 +19,7 @@ from a2d.tasks import teacher as teacher_stage
 
 HEAD_SHARD = "adapter"  # the head artifact's one shard: PEFT adapter, extras, diffusion_spec.json
 VFM_SHARD = "noise_adapter"  # the vfm artifact's one shard
+DRAFTER_SHARD = "drafter"  # the drafter artifact's one shard: a DFlash checkpoint directory
 FLOW_MAP_LORA = "flow_map_lora.safetensors"  # jointly tuned LoRA tensors, by parameter name
 
 
@@ -100,3 +104,18 @@ def load_flow_map(
     student, _ = load_student(store, store.ref("head", store.manifest(ref)["upstream"]["head"]), device)
     apply_lora(lora_parameters(student), load_file(tuned))
     return student
+
+
+def load_drafter(
+    store: ArtifactStore, ref: ArtifactRef, teacher: ArtifactRef, device: str = "cpu"
+) -> DFlashDrafter:
+    """The DFlash drafter of a complete drafter artifact, refused when it was trained for another teacher."""
+    with store.reading(ref):
+        folder = store.local_copy(ref, DRAFTER_SHARD, cache_root())
+        provenance = json.loads((folder / "drafter_spec.json").read_text())
+        if provenance["teacher_key"] != teacher.key:
+            raise ValueError(
+                f"drafter {ref.key} was trained for teacher {provenance['teacher_key']}, not {teacher.key}: "
+                "rebuild the drafter stage for this teacher"
+            )
+        return DFlashDrafter.load(folder, device)

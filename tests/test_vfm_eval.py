@@ -143,6 +143,7 @@ def test_eval_reports_every_decoder(built):
         "ar:prompt-lookup",
         "spec:head",
         "spec:head+lookup",
+        "spec:drafter",
         "threshold:0.9",
         "threshold:0.5",
         "entropy:1",
@@ -157,6 +158,7 @@ def test_eval_reports_every_decoder(built):
     for lossless in (
         "spec:head",
         "spec:head+lookup",
+        "spec:drafter",
         "spec:vfm",
         "ar:prompt-lookup",
     ):  # token for token the student's base model
@@ -165,6 +167,10 @@ def test_eval_reports_every_decoder(built):
     # one verify forward per round; its tokens are the drafts that held plus the base's own next token
     assert s["spec:head"]["tpf"] == pytest.approx(s["spec:head"]["mean_accepted"] + 1)
     assert s["spec:head"]["no_draft_share"] == 0.0  # after each prompt's first forward, drafts every time
+    # the drafter's own forward counts: one per drafted verify, so TPF = (accepted + 1) / 2 per round
+    drafter = s["spec:drafter"]
+    assert drafter["no_draft_share"] == 0.0
+    assert drafter["tpf"] < (drafter["mean_accepted"] + 1) / 2 + 0.35
     # the VFM's flow-map forwards count: two forwards per round land the base token its clean row
     # computed, the accepted drafts and the correction, so TPF is about (accepted + 2) / 2
     vfm = s["spec:vfm"]
@@ -308,6 +314,46 @@ def test_one_decoder_name_is_one_decoding_in_the_eval_lm_eval_and_a2d_generate(b
     gen = generate(st, refs["head"], "What is 12 + 30?", "spec:head", max_new_tokens=10)
     assert gen.tokens == lm._decode(prompt_ids(lm.tok, "What is 12 + 30?"), 10).tokens
     assert set(asked) == {"spec:head"} and len(asked) == 3  # lm-eval: per budget (8, 10); generate: once
+    drafted = A2DLM(store=store, head=refs["head"].key, decoder="spec:drafter", drafter=refs["drafter"].key)
+    want = doc["decoders"]["spec:drafter"]["outputs"]
+    assert [drafted._decode(r["prompt_ids"], cfg.eval.max_new_tokens).tokens for r in rows] == want
+    gen = generate(st, refs["head"], "What is 12 + 30?", "spec:drafter", max_new_tokens=10)
+    assert gen.tokens == drafted._decode(prompt_ids(lm.tok, "What is 12 + 30?"), 10).tokens
+
+
+def test_the_drafter_resumes_exactly_and_refuses_anchors_it_cannot_use(built, tmp_path):
+    from a2d.models.drafter import DFlashDrafter
+    from a2d.stores.anchors import AnchorMismatchError, AnchorReader
+    from a2d.tasks.drafter import check_anchors, check_config, train_drafter
+
+    store, cfg, refs = built
+    st = ArtifactStore(store)
+    spec = cfg.drafter.model_copy(update={"steps": 4, "lr_schedule": "linear", "warmup_steps": 0})
+    opts = TrainOptions(checkpoint_every=2, log_every=100)
+    drefs = {k: refs[k] for k in ("teacher", "responses", "anchors")}
+    train_drafter(st, drefs, spec, opts, tmp_path / "a", stop_after=2)
+    resumed = train_drafter(st, drefs, spec, opts, tmp_path / "a")
+    assert resumed["history"][0]["step"] == 3  # continued from the step-2 checkpoint
+    train_drafter(st, drefs, spec, opts, tmp_path / "b")
+    a = DFlashDrafter.load(tmp_path / "a" / "checkpoints" / "step-00000004" / "adapter").state_dict()
+    b = DFlashDrafter.load(tmp_path / "b" / "checkpoints" / "step-00000004" / "adapter").state_dict()
+    first = DFlashDrafter.load(tmp_path / "a" / "checkpoints" / "step-00000002" / "adapter").state_dict()
+    assert any(not torch.equal(first[k], a[k]) for k in a)  # steps 3-4 changed the weights
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    # the published artifact is a DFlash directory whose provenance names what it was trained from
+    folder = st.loc(refs["drafter"]).local_path() / "drafter"
+    provenance = json.loads((folder / "drafter_spec.json").read_text())
+    assert provenance["anchors_key"] == refs["anchors"].key and provenance["capture"] == "residual"
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    reader = AnchorReader(st, refs["anchors"])
+    with pytest.raises(AnchorMismatchError, match="teacher_key"):
+        check_anchors(reader, st.ref("teacher", "0" * 16), [1])
+    with pytest.raises(AnchorMismatchError, match=r"missing \[7\]"):
+        check_anchors(reader, refs["teacher"], [1, 7])  # a layer the anchors do not hold
+    with pytest.raises(ValueError, match="anchors.tokens: all"):
+        check_config(spec, cfg.anchors.model_copy(update={"tokens": "response"}), 4)
+    assert pipeline(cfg, until="drafter")["drafter"] == refs["drafter"]  # reused
 
 
 def test_lm_eval_loglikelihood_is_the_base_model(built):

@@ -1,0 +1,39 @@
+"""drafter flow: a DFlash block-diffusion drafter trained from the anchors, servable by vLLM and SGLang."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from a2d.flows.policy import enforce
+from a2d.flows.stage import run_sharded
+from a2d.specs import DrafterSpec, RunOptions, TrainOptions
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import drafter as stage
+
+
+@flow(name="drafter", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
+def drafter_flow(
+    teacher: ArtifactRef,
+    responses: ArtifactRef,
+    anchors: ArtifactRef,
+    spec: DrafterSpec = DrafterSpec(),
+    train: TrainOptions = TrainOptions(),
+    store: str = "./a2d-store",
+    opts: RunOptions = RunOptions(),
+) -> ArtifactRef:
+    """Block drafter over the teacher's layer outputs (anchors with tokens: all); a DFlash checkpoint."""
+    enforce(store=store, run=opts, refs=(teacher, responses, anchors))  # a served run: before any work
+    st = ArtifactStore(store)
+    refs = {"teacher": teacher, "responses": responses, "anchors": anchors}
+    return run_sharded(
+        st,
+        stage.key_inputs(spec, teacher.key, responses.key, anchors.key),
+        [stage.SHARD],
+        stage.drafter_train,
+        lambda ref, shard: dict(store_uri=st.root.uri, ref=ref, spec=spec, train=train, refs=refs, device=opts.device),
+        opts,
+        stage.summarise,
+        fan_out=False,
+        stoppable=True,
+    )
