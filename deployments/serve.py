@@ -42,7 +42,9 @@ from a2d.tasks.concurrency import GPU_LIMIT, ensure_limit
 log = logging.getLogger("a2d.serve")
 
 # Flows whose runs load and run a model: the Kubernetes pool gives these `nvidia.com/gpu: 1`.
-GPU_FLOWS = frozenset({"responses", "anchors", "head", "vfm", "eval", "pipeline", "regenerate-data"})
+GPU_FLOWS = frozenset(
+    {"responses", "anchors", "drafter", "head", "vfm", "eval", "pipeline", "regenerate-data"}
+)
 
 # Flows served besides one per stage: (flow name, module, attribute).
 EXTRA_FLOWS = (

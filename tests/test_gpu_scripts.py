@@ -24,6 +24,11 @@ from tests.conftest import ROOT
             {"peak_memory_gb", "step_seconds", "lora_modules", "seq_len"},
         ),
         (
+            "drafter_27b.py",
+            "gpu_drafter_tiny.json",
+            {"train_step_seconds", "drafter_vs_target_forward", "drafter_params", "target_layer_ids"},
+        ),
+        (
             "decode_27b.py",
             "gpu_decode_tiny.json",
             {"ar_step_seconds", "spec_forward_seconds", "spec_forward_vs_ar_step", "block"},
@@ -40,6 +45,8 @@ def test_gpu_script_runs_tiny(script, result, fields, tmp_path):
     )
     doc = json.loads((tmp_path / result).read_text())
     assert fields <= set(doc) and doc["shape"] == "tiny"
+    if "drafter_vs_target_forward" in doc:  # a one-layer drafter costs a fraction of an 8-layer target
+        assert 0 < doc["drafter_vs_target_forward"] < 1 and doc["train_step_seconds"] > 0
     if "spec_forward_seconds" in doc:
         assert doc["spec_forward_seconds"] > 0 and doc["ar_step_seconds"] > 0
     if "lora_modules" in doc:

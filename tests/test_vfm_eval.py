@@ -219,10 +219,17 @@ def test_a_new_decoder_changes_the_eval_key():
     assert evaluate.key_inputs(spec.model_copy(update={"thresholds": (0.9,)}), up).key != base.key
     original = evaluate.decoder_names
     try:
-        evaluate.decoder_names = lambda s, with_vfm: [*original(s, with_vfm), "new:decoder"]
+        evaluate.decoder_names = lambda s, *has: [*original(s, *has), "new:decoder"]
         assert evaluate.key_inputs(spec, up).key != base.key
     finally:
         evaluate.decoder_names = original
+    # a drafter upstream adds spec:drafter; eval.decoders picks a list (the AR references always run)
+    with_drafter = evaluate.key_inputs(spec, {**up, "drafter": "d" * 16})
+    assert "spec:drafter" in with_drafter.payload["decoders"] and with_drafter.key != base.key
+    picked = spec.model_copy(update={"decoders": ("spec:head", "threshold:0.9")})
+    assert evaluate.decoder_names(picked, True) == ["ar:greedy", "ar:student-base", "spec:head", "threshold:0.9"]
+    with pytest.raises(ValueError, match="no drafter artifact"):
+        evaluate.decoder_names(spec.model_copy(update={"decoders": ("spec:drafter",)}), True, False)
 
 
 def test_a2d_generate_streams_counts_and_explains_its_errors(built, tmp_path, capsys):
