@@ -5,7 +5,8 @@
 Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`); uses its
 VFM too when there is one. On the held-out prompts it decodes with every decoder, interleaved prompt
 by prompt so machine load hits each alike, plus transformers' own greedy `generate` (the library
-baseline a2d's AR loop must match). Then it times single forwards: a speculative forward of n fed
+baseline a2d's AR loop must match, on the model as transformers builds it: no packed oneDNN linears,
+`a2d.models.cpu_kernels`). Then it times single forwards: a speculative forward of n fed
 tokens (newest + drafts + mask runs, the LM head over the rows a decoder reads) against a bare base
 forward of the same n tokens (transformers' forward with its cache, logits for every row).
 Writes benchmarks/results/decode.json; speed-ups are tokens/s ratios measured in this run.
@@ -120,6 +121,10 @@ def main() -> None:
     teacher, tok = teacher_stage.tm.load_teacher(
         teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
     )
+    # transformers' generate runs on the model as transformers builds it (no packed oneDNN linears)
+    library, _ = teacher_stage.tm.load_teacher(
+        teacher_stage.local_dir(store, refs["teacher"]), device="cpu", packed=False
+    )
     student, dspec = load_student(store, refs["head"])
     eos, n = eos_ids(teacher, tok), args.max_new_tokens
     vfm_refs = [
@@ -151,12 +156,12 @@ def main() -> None:
     }
     with torch.no_grad():
         decoders["ar:greedy"](rows[0]["prompt_ids"])  # warm-up
-        hf_generate(teacher, rows[0]["prompt_ids"], n, eos, tok.pad_token_id)
+        hf_generate(library, rows[0]["prompt_ids"], n, eos, tok.pad_token_id)
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
             for name in names:
                 start = time.perf_counter()
                 if name == "transformers:generate":
-                    out = hf_generate(teacher, r["prompt_ids"], n, eos, tok.pad_token_id)
+                    out = hf_generate(library, r["prompt_ids"], n, eos, tok.pad_token_id)
                     tokens, out = out.tokens, None
                 else:
                     out = decoders[name](r["prompt_ids"])

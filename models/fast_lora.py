@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from a2d.models import cpu_kernels
 from a2d.models.attention import Scope
 
 ADAPTER = "default"
@@ -30,7 +31,7 @@ ADAPTER = "default"
 def _lean_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     base = self.base_layer
     plain = type(base) is nn.Linear and not args and not kwargs
-    out = F.linear(x, base.weight, base.bias) if plain else base(x, *args, **kwargs)  # (B, T, out)
+    out = cpu_kernels.linear(base, x) if plain else base(x, *args, **kwargs)  # (B, T, out)
     gate = self._a2d_scope.adapter  # (B, T) or None
     if gate is None or self.disable_adapters:
         return out

@@ -197,8 +197,11 @@ def load_teacher(
     quantization: str = "none",
     device: str = "auto",
     trust_remote_code: bool = False,
+    packed: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a materialised teacher for inference: eval mode, no grad, on `device`."""
+    """Load a materialised teacher for inference: eval mode, no grad, on `device`. On the CPU its
+    linears run multi-row products through oneDNN with packed weights (`packed`, see
+    `a2d.models.cpu_kernels`); `packed=False` keeps transformers' own forward (a library baseline)."""
     dev = resolve_device(device)
     kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "use_safetensors": True}
     if quantization == "nf4":
@@ -220,6 +223,10 @@ def load_teacher(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.eval().requires_grad_(False)
+    if packed:
+        from a2d.models import cpu_kernels
+
+        cpu_kernels.pack(model)
     return model, tok
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import json
 
-from a2d.models import fast_lora
+from a2d.models import cpu_kernels, fast_lora
 from a2d.models.drafter import DFlashDrafter
 from a2d.models.student import DiffusionSpec, Student, apply_lora, build_student, lora_parameters
 from a2d.models.vfm import NoiseAdapter
@@ -84,6 +84,7 @@ def load_student(
     student.model.eval()
     if student.scope.masked:
         fast_lora.install(student.model, student.scope)
+    cpu_kernels.pack(student.model)  # decoding feeds a few rows per forward: oneDNN on the CPU
     return student, dspec
 
 
@@ -118,4 +119,6 @@ def load_drafter(
                 f"drafter {ref.key} was trained for teacher {provenance['teacher_key']}, not {teacher.key}: "
                 "rebuild the drafter stage for this teacher"
             )
-        return DFlashDrafter.load(folder, device)
+        drafter = DFlashDrafter.load(folder, device)
+    cpu_kernels.pack(drafter)
+    return drafter

@@ -122,3 +122,29 @@ def test_block_layout_and_weights():
     w = position_weights(4, 2.0)
     torch.testing.assert_close(w, torch.tensor([1.0, 0.6065307, 0.3678794]))
     assert spread_layers(64, 1) == [32] and spread_layers(30, 4) == [1, 10, 18, 27]
+
+
+def test_a_drafter_without_prompt_states_is_refused_before_any_stage_runs(tmp_path):
+    from a2d.flows.pipeline import pipeline, plan
+    from tests.conftest import tiny_config
+
+    store = tmp_path / "store"
+    with pytest.raises(ValueError, match="anchors.tokens: all"):
+        pipeline(tiny_config(str(store), "anchors.tokens=response"), until="drafter")
+    assert not (store / "teacher").exists()  # refused before the first stage built anything
+    with pytest.raises(ValueError, match="not all in anchors.layers"):
+        pipeline(tiny_config(str(store), "anchors.layers=[0, 1]", "drafter.target_layers=[5]"), until="drafter")
+    without = plan(tiny_config(str(store), "drafter=null", "anchors.tokens=response"))
+    assert "drafter" not in without  # the stage is skipped
+    with_drafter = plan(tiny_config(str(store)))
+    assert with_drafter["eval"].key != without["eval"].key  # the eval's key names the drafter it runs
+
+
+def test_steps_style_prompts_ask_for_the_reasoning():
+    from a2d.stores import bundled
+
+    short, steps = bundled.generate(14, 0), bundled.generate(14, 0, "steps")
+    assert all(s["prompt"].endswith("step by step, then give the answer.") for s in steps)
+    assert [s["answer"] for s in steps] == [r["answer"] for r in short]  # same problems, same answers
+    with pytest.raises(ValueError, match="style"):
+        bundled.generate(3, 0, "essay")
