@@ -148,3 +148,26 @@ def test_steps_style_prompts_ask_for_the_reasoning():
     assert [s["answer"] for s in steps] == [r["answer"] for r in short]  # same problems, same answers
     with pytest.raises(ValueError, match="style"):
         bundled.generate(3, 0, "essay")
+
+
+def test_packed_cpu_linears_compute_the_same_function_and_leave_training_alone():
+    from torch import nn
+
+    from a2d.models import cpu_kernels
+
+    if not cpu_kernels.supported():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    reference = nn.Linear(64, 96)
+    reference.load_state_dict(layer.state_dict())
+    assert cpu_kernels.pack(nn.Sequential(layer)) == 1
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)  # several rows: packed
+        torch.testing.assert_close(layer(x[:1, :1]), reference(x[:1, :1]), atol=0, rtol=0)  # one row: F.linear
+        layer.weight.mul_(2.0)  # changed in place (an adapter load): packed again on the next call
+        reference.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)
+    layer(x).sum().backward()  # with grad: autograd's F.linear, gradients reach the weight
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
