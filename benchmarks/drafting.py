@@ -30,7 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DECODERS = ["ar:greedy", "ar:student-base", "spec:drafter", "spec:head", "ar:prompt-lookup", "hf:prompt-lookup"]
+DECODERS = [
+    "ar:greedy",
+    "ar:student-base",
+    "spec:drafter",
+    "spec:head",
+    "ar:prompt-lookup",
+    "hf:prompt-lookup",
+]
 
 
 def bootstrap_ratio(num_tokens, num_secs, den_tokens, den_secs, reps: int = 2000) -> list[float]:
@@ -68,7 +75,9 @@ def main() -> None:
         raise SystemExit(f"no complete drafter artifact: run `a2d run {args.config} --until drafter` first")
     rows = read_held_out(store, refs["responses"])
     rows = rows[: args.samples] if args.samples else rows
-    teacher, tok = teacher_stage.tm.load_teacher(teacher_stage.local_dir(store, refs["teacher"]), device="cpu")
+    teacher, tok = teacher_stage.tm.load_teacher(
+        teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
+    )
     student, dspec = load_student(store, refs["head"])
     drafter = load_drafter(store, refs["drafter"], refs["teacher"])
     eos, n = eos_ids(teacher, tok), args.max_new_tokens
@@ -116,7 +125,9 @@ def main() -> None:
         speedup[m] = round(rate / ar_rate, 4)
         interval[m] = bootstrap_ratio(st["tokens"], st["seconds"], ar["tokens"], ar["seconds"])
         summary[m] = {"tokens": tokens, "forwards": forwards, "tokens_per_s": round(rate, 3)}
-    lossless = [m for m in names if registry.describe(m).lossless and m not in ("ar:greedy", "ar:student-base")]
+    lossless = [
+        m for m in names if registry.describe(m).lossless and m not in ("ar:greedy", "ar:student-base")
+    ]
     mismatches = {m: sum(a != b for a, b in zip(stats[m]["outputs"], base, strict=True)) for m in lossless}
 
     recs = stats["spec:drafter"]["records"]
@@ -151,7 +162,9 @@ def main() -> None:
             "tau": round(tokens / verifies, 4),
             "tpf_base_forwards": round(tokens / verifies, 4),
             "tpf_all_forwards": round(tokens / (verifies + drafter_forwards), 4),
-            "acceptance_by_offset": [round(h / r, 4) if r else None for h, r in zip(held, reached, strict=True)],
+            "acceptance_by_offset": [
+                round(h / r, 4) if r else None for h, r in zip(held, reached, strict=True)
+            ],
             "drafter_cost_vs_base_forward": round(
                 (drafter_seconds / max(drafter_forwards, 1)) / (verify_seconds / max(verifies, 1)), 4
             ),

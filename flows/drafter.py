@@ -31,7 +31,9 @@ def drafter_flow(
         stage.key_inputs(spec, teacher.key, responses.key, anchors.key),
         [stage.SHARD],
         stage.drafter_train,
-        lambda ref, shard: dict(store_uri=st.root.uri, ref=ref, spec=spec, train=train, refs=refs, device=opts.device),
+        lambda ref, shard: dict(
+            store_uri=st.root.uri, ref=ref, spec=spec, train=train, refs=refs, device=opts.device
+        ),
         opts,
         stage.summarise,
         fan_out=False,

@@ -63,7 +63,9 @@ STEPS: dict[str, Step] = {
     ),
     "drafter": Step(
         lambda c, r: drafter.key_inputs(c.drafter, r["teacher"].key, r["responses"].key, r["anchors"].key),
-        lambda c, r: drafter_flow(r["teacher"], r["responses"], r["anchors"], c.drafter, c.train, c.store, c.run),
+        lambda c, r: drafter_flow(
+            r["teacher"], r["responses"], r["anchors"], c.drafter, c.train, c.store, c.run
+        ),
     ),
     "trajectories": Step(
         lambda c, r: trajectories.key_inputs(c.trajectories, r["responses"].key, r["anchors"].key),
@@ -92,7 +94,14 @@ STEPS: dict[str, Step] = {
             c.eval, {k: r[k].key for k in ("teacher", "responses", "head", "vfm", "drafter") if k in r}
         ),
         lambda c, r: eval_flow(
-            r["teacher"], r["responses"], r["head"], r["vfm"], c.eval, c.store, c.run, drafter=r.get("drafter")
+            r["teacher"],
+            r["responses"],
+            r["head"],
+            r["vfm"],
+            c.eval,
+            c.store,
+            c.run,
+            drafter=r.get("drafter"),
         ),
     ),
 }

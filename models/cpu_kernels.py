@@ -54,7 +54,9 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if module._a2d_version != module.weight._version:  # the weight changed in place: pack it again
         module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
         packed = module._a2d_packed
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, module.bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(
+        x.reshape(rows, x.shape[-1]), packed, module.bias, "none", [], ""
+    )
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -221,7 +221,9 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
         return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len))
     if name == "spec:drafter":
         block = res.drafter.config.block_size
-        return lambda p: speculative_decode(s, p, n, eos, DFlashDraft(s, res.drafter), on_step=on_step, draft_len=block)
+        return lambda p: speculative_decode(
+            s, p, n, eos, DFlashDraft(s, res.drafter), on_step=on_step, draft_len=block
+        )
     if family == "threshold":
         return threshold(lambda: s, float(arg))
     if family == "entropy":

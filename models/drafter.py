@@ -107,7 +107,9 @@ class DrafterConfig:
         dflash = doc.get("dflash_config") or {}
         missing = [k for k in ("target_layer_ids", "mask_token_id") if k not in dflash]
         if missing:
-            raise ValueError(f"config.json dflash_config lacks {missing}: not a complete DFlash drafter config")
+            raise ValueError(
+                f"config.json dflash_config lacks {missing}: not a complete DFlash drafter config"
+            )
         rope = doc.get("rope_parameters") or {}
         heads = doc["num_attention_heads"]
         return cls(
@@ -240,7 +242,9 @@ class DFlashDrafter(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope(positions, self.config.head_dim, self.config.rope_theta)
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, context: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the context's keys and values: context (B, C, H) fused states at positions (B, C)."""
         cos, sin = self.rope(positions)
         return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
@@ -293,7 +297,9 @@ class DFlashDrafter(nn.Module):
         expected = model.state_dict()
         wrong = sorted(set(tensors) ^ set(expected))
         if wrong:
-            raise ValueError(f"{weights} does not match its config.json: unexpected or missing tensors {wrong[:6]}")
+            raise ValueError(
+                f"{weights} does not match its config.json: unexpected or missing tensors {wrong[:6]}"
+            )
         bad = [k for k, v in tensors.items() if v.shape != expected[k].shape]
         if bad:
             raise ValueError(f"{weights}: tensors {bad[:4]} have shapes that do not match config.json")

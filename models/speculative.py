@@ -284,7 +284,10 @@ class DFlashDraft(Drafter):
         if self._kv is None:
             self._kv = kv
         else:
-            self._kv = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(self._kv, kv)]
+            self._kv = [
+                (torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                for (k0, v0), (k, v) in zip(self._kv, kv, strict=True)
+            ]
         self.context += n
         self.seconds += time.perf_counter() - started
 
@@ -293,13 +296,17 @@ class DFlashDraft(Drafter):
             return Proposal()
         length = self.length  # the whole block, as in training; drafts past the budget are dropped
         if self.context != len(canvas.tokens) - 1:
-            raise AssertionError(f"drafter context {self.context} != committed tokens {len(canvas.tokens) - 1} - 1")
+            raise AssertionError(
+                f"drafter context {self.context} != committed tokens {len(canvas.tokens) - 1} - 1"
+            )
         started = time.perf_counter()
         ids = torch.full((1, length), self.drafter.config.mask_token_id, device=self.head_weight.device)
         ids[0, 0] = canvas.tokens[-1]
         positions = torch.arange(self.context, self.context + length, device=ids.device)[None]
         states = self.drafter(self.embed(ids), positions, self._kv)[0, 1:]  # (L - 1, H)
-        logits = torch.nn.functional.linear(states.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+        logits = torch.nn.functional.linear(
+            states.to(self.head_weight.dtype), self.head_weight, self.head_bias
+        )
         best = logits.argmax(-1)
         tokens = (best if self.vocab is None else self.vocab.to(best.device)[best]).tolist()[: remaining - 1]
         self.forwards += 1

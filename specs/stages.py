@@ -131,7 +131,8 @@ class PromptSpec(Spec):
     bundled_rows: int = Field(240, ge=1, le=100_000, description="bundled: number of generated prompts")
     bundled_seed: int = Field(0, ge=0, description="bundled: generator seed")
     bundled_style: Literal["answer", "steps"] = Field(
-        "answer", description="bundled: ask for just the answer, or for the steps and then the answer (longer responses)"
+        "answer",
+        description="bundled: ask for just the answer, or for the steps and then the answer (longer responses)",
     )
     files: tuple[str, ...] = Field((), description="files: local .jsonl/.json/.parquet/.csv paths")
     hub_id: str | None = Field(None, description="hub: dataset id")
@@ -189,7 +190,8 @@ class AnchorSpec(Spec):
         8, ge=0, le=1024, description="int8: channels per layer kept exactly in bf16"
     )
     tokens: Literal["response", "all"] = Field(
-        "all", description="Store every token (the drafter's context needs the prompt's), or response tokens only"
+        "all",
+        description="Store every token (the drafter's context needs the prompt's), or response tokens only",
     )
 
 
@@ -331,13 +333,20 @@ class DrafterSpec(Spec):
         description="Teacher layers whose outputs the drafter reads (0-based, 'output of layer k'); "
         "unset = `feature_layers` layers spread over the depth as DFlash does",
     )
-    feature_layers: int = Field(4, ge=1, le=64, description="How many teacher layers when target_layers is unset")
-    block_size: int = Field(8, ge=2, le=64, description="Block: the last committed token and block_size-1 masks")
+    feature_layers: int = Field(
+        4, ge=1, le=64, description="How many teacher layers when target_layers is unset"
+    )
+    block_size: int = Field(
+        8, ge=2, le=64, description="Block: the last committed token and block_size-1 masks"
+    )
     intermediate_size: int | None = Field(
         None, ge=16, le=131_072, description="MLP width; unset = the teacher's"
     )
     gamma: float = Field(
-        4.0, gt=0.0, le=1000.0, description="CE weight of block offset k is exp(-(k-1)/γ) (DFlash: 7 at block 16)"
+        4.0,
+        gt=0.0,
+        le=1000.0,
+        description="CE weight of block offset k is exp(-(k-1)/γ) (DFlash: 7 at block 16)",
     )
     blocks_per_sample: int = Field(
         16, ge=1, le=1024, description="Random block starts per response per step (each sees only its prefix)"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from prefect import task
 from tqdm import tqdm
 
+from a2d.models.capture import resolve_layers
 from a2d.models.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -38,7 +39,6 @@ from a2d.models.drafter import (
 )
 from a2d.models.generate import eos_ids
 from a2d.models.teacher import autocast, resolve_device, resolve_precision
-from a2d.models.capture import resolve_layers
 from a2d.specs import AnchorSpec, DrafterSpec, TrainOptions
 from a2d.stores import checkpoints
 from a2d.stores.anchors import AnchorMismatchError, AnchorReader
@@ -73,7 +73,9 @@ def key_inputs(spec: DrafterSpec, teacher_key: str, responses_key: str, anchors_
 
 def target_layers(spec: DrafterSpec, num_layers: int) -> list[int]:
     """The teacher layers the drafter reads; a clear error when they do not fit the teacher."""
-    layers = list(spec.target_layers) if spec.target_layers else spread_layers(num_layers, spec.feature_layers)
+    layers = (
+        list(spec.target_layers) if spec.target_layers else spread_layers(num_layers, spec.feature_layers)
+    )
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad or not layers:
         raise ValueError(
@@ -134,7 +136,9 @@ class Sequence:
         return np.arange(self.prompt_len, len(self.tokens) - 1)
 
 
-def load_sequences(reader: AnchorReader, rows: list[dict], layers: list[int], dtype: torch.dtype) -> list[Sequence]:
+def load_sequences(
+    reader: AnchorReader, rows: list[dict], layers: list[int], dtype: torch.dtype
+) -> list[Sequence]:
     out = []
     for r in rows:
         tokens = list(r["prompt_ids"]) + list(r["response_ids"])
@@ -146,7 +150,9 @@ def load_sequences(reader: AnchorReader, rows: list[dict], layers: list[int], dt
             )
         if len(r["response_ids"]) < 2:
             continue  # no block start with a target
-        out.append(Sequence(r["sample_id"], torch.tensor(tokens), len(r["prompt_ids"]), feats.flatten(1).to(dtype)))
+        out.append(
+            Sequence(r["sample_id"], torch.tensor(tokens), len(r["prompt_ids"]), feats.flatten(1).to(dtype))
+        )
     return out
 
 
@@ -223,7 +229,9 @@ def drafter_loss(drafter, frozen: Frozen, batch, weights: torch.Tensor) -> tuple
     states = block_states(drafter, frozen, feats, ctx_len, starts, ids)  # (b, M, B-1, H)
     logits = (states @ frozen.head.T.to(states.dtype)).float()  # (b, M, B-1, V')
     tgt = head_targets(frozen, targets)
-    ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none").view(tgt.shape)
+    ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none").view(
+        tgt.shape
+    )
     valid = (tgt >= 0).float()
     w = weights.to(ce.device)[None, None] * valid
     loss = (ce * w).sum() / w.sum().clamp_min(1e-8)
@@ -234,7 +242,9 @@ def drafter_loss(drafter, frozen: Frozen, batch, weights: torch.Tensor) -> tuple
 
 
 @torch.no_grad()
-def teacher_forced(drafter, frozen: Frozen, seqs: list[Sequence], block: int, mask_id: int, device: str) -> dict:
+def teacher_forced(
+    drafter, frozen: Frozen, seqs: list[Sequence], block: int, mask_id: int, device: str
+) -> dict:
     """Held-out acceptance with the teacher's own continuation: from every block start, how many
     leading drafts equal the teacher's tokens. τ = 1 + mean accepted (the verify's own token included)."""
     accepted: list[int] = []
@@ -247,7 +257,12 @@ def teacher_forced(drafter, frozen: Frozen, seqs: list[Sequence], block: int, ma
             ids = torch.full((1, chunk.shape[1], block), mask_id, dtype=torch.long, device=device)
             ids[0, :, 0] = s.tokens.to(device)[chunk[0]]
             states = block_states(
-                drafter, frozen, s.features[None].to(device), torch.tensor([len(s.tokens)], device=device), chunk, ids
+                drafter,
+                frozen,
+                s.features[None].to(device),
+                torch.tensor([len(s.tokens)], device=device),
+                chunk,
+                ids,
             )[0]
             best = (states @ frozen.head.T.to(states.dtype)).argmax(-1)  # (M, B-1)
             drafts = best if frozen.vocab is None else frozen.vocab.to(device)[best]
@@ -263,7 +278,9 @@ def teacher_forced(drafter, frozen: Frozen, seqs: list[Sequence], block: int, ma
     return {
         "starts": len(accepted),
         "tau": round(1.0 + mean, 4),
-        "accept_by_offset": [round(float(a / r), 4) if r else None for a, r in zip(by_offset, reach)],
+        "accept_by_offset": [
+            round(float(a / r), 4) if r else None for a, r in zip(by_offset, reach, strict=True)
+        ],
     }
 
 
@@ -388,7 +405,9 @@ def train_drafter(
         drafter.train()
         while step < spec.steps:
             rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
-            picked = [seqs[i] for i in rng.choice(len(seqs), min(spec.micro_batch_size, len(seqs)), replace=False)]
+            picked = [
+                seqs[i] for i in rng.choice(len(seqs), min(spec.micro_batch_size, len(seqs)), replace=False)
+            ]
             batch = make_batch(picked, spec, rng, mask_id, device)
             with autocast(torch.device(device), precision):
                 loss, acc = drafter_loss(drafter, frozen, batch, weights)
@@ -412,10 +431,15 @@ def train_drafter(
             bar.update(1)
             progress.advance(1)
             if step % train.log_every == 0:
-                log.info("drafter step %d/%d loss %.4f acc@1 %.3f", step, spec.steps, loss.item(), acc[0].item())
+                log.info(
+                    "drafter step %d/%d loss %.4f acc@1 %.3f", step, spec.steps, loss.item(), acc[0].item()
+                )
             if step in marks and held:
                 drafter.eval()
-                point = {"step": step, **teacher_forced(drafter, frozen, held, spec.block_size, mask_id, device)}
+                point = {
+                    "step": step,
+                    **teacher_forced(drafter, frozen, held, spec.block_size, mask_id, device),
+                }
                 drafter.train()
                 curve.append(point)
                 log.info("drafter step %d: held-out teacher-forced tau %.3f", step, point["tau"])
@@ -461,7 +485,9 @@ def drafter_train(
     dev = str(resolve_device(device))
     remote = restore_checkpoints(store, ref, work)
     if stop_requested():
-        raise Stopped("drafter training was not started: SIGTERM arrived first; rerun the drafter stage to resume")
+        raise Stopped(
+            "drafter training was not started: SIGTERM arrived first; rerun the drafter stage to resume"
+        )
     with gpu_slot():
         result = train_drafter(store, refs, spec, train, work, dev, remote=remote)
     if result["stopped"]:

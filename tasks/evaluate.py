@@ -51,7 +51,9 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
         for name in chosen:
             needs = registry.describe(name).needs
             if ("vfm" in needs and not with_vfm) or ("drafter" in needs and not with_drafter):
-                raise ValueError(f"eval.decoders names {name}, but the eval has no {needs[-1]} artifact to run it")
+                raise ValueError(
+                    f"eval.decoders names {name}, but the eval has no {needs[-1]} artifact to run it"
+                )
         return ["ar:greedy", "ar:student-base", *dict.fromkeys(chosen)]
     names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
     if with_drafter:

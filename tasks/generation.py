@@ -135,7 +135,9 @@ def newest_drafter(store: ArtifactStore, teacher: ArtifactRef) -> ArtifactRef:
         if store.is_complete(r) and store.manifest(r)["upstream"].get("teacher") == teacher.key
     ]
     if not found:
-        raise ValueError(f"no drafter artifact of teacher {teacher.key}: run `a2d run CONFIG --until drafter` first")
+        raise ValueError(
+            f"no drafter artifact of teacher {teacher.key}: run `a2d run CONFIG --until drafter` first"
+        )
     return max(found, key=lambda r: store.manifest(r)["created"])
 
 

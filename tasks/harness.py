@@ -66,7 +66,9 @@ class A2DLM(LM):
         self.drafter = None
         if "drafter" in info.needs:
             if not drafter:
-                raise ValueError(f"decoder={decoder} needs drafter=KEY (a drafter artifact of this head's teacher)")
+                raise ValueError(
+                    f"decoder={decoder} needs drafter=KEY (a drafter artifact of this head's teacher)"
+                )
             teacher = self.store.ref("teacher", self.store.manifest(self.head_ref)["upstream"]["teacher"])
             self.drafter = load_drafter(self.store, self.store.find(f"drafter/{drafter}"), teacher, device)
         self.tok = student.tok

@@ -5,9 +5,9 @@ The head, VFM, trajectories (diffusion-decode source) and eval stages all decode
 
 from __future__ import annotations
 
-from safetensors.torch import load_file
-
 import json
+
+from safetensors.torch import load_file
 
 from a2d.models import cpu_kernels, fast_lora
 from a2d.models.drafter import DFlashDrafter

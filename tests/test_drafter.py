@@ -133,7 +133,9 @@ def test_a_drafter_without_prompt_states_is_refused_before_any_stage_runs(tmp_pa
         pipeline(tiny_config(str(store), "anchors.tokens=response"), until="drafter")
     assert not (store / "teacher").exists()  # refused before the first stage built anything
     with pytest.raises(ValueError, match="not all in anchors.layers"):
-        pipeline(tiny_config(str(store), "anchors.layers=[0, 1]", "drafter.target_layers=[5]"), until="drafter")
+        pipeline(
+            tiny_config(str(store), "anchors.layers=[0, 1]", "drafter.target_layers=[5]"), until="drafter"
+        )
     without = plan(tiny_config(str(store), "drafter=null", "anchors.tokens=response"))
     assert "drafter" not in without  # the stage is skipped
     with_drafter = plan(tiny_config(str(store)))
@@ -165,7 +167,9 @@ def test_packed_cpu_linears_compute_the_same_function_and_leave_training_alone()
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)  # several rows: packed
-        torch.testing.assert_close(layer(x[:1, :1]), reference(x[:1, :1]), atol=0, rtol=0)  # one row: F.linear
+        torch.testing.assert_close(
+            layer(x[:1, :1]), reference(x[:1, :1]), atol=0, rtol=0
+        )  # one row: F.linear
         layer.weight.mul_(2.0)  # changed in place (an adapter load): packed again on the next call
         reference.weight.mul_(2.0)
         torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)

@@ -227,7 +227,12 @@ def test_a_new_decoder_changes_the_eval_key():
     with_drafter = evaluate.key_inputs(spec, {**up, "drafter": "d" * 16})
     assert "spec:drafter" in with_drafter.payload["decoders"] and with_drafter.key != base.key
     picked = spec.model_copy(update={"decoders": ("spec:head", "threshold:0.9")})
-    assert evaluate.decoder_names(picked, True) == ["ar:greedy", "ar:student-base", "spec:head", "threshold:0.9"]
+    assert evaluate.decoder_names(picked, True) == [
+        "ar:greedy",
+        "ar:student-base",
+        "spec:head",
+        "threshold:0.9",
+    ]
     with pytest.raises(ValueError, match="no drafter artifact"):
         evaluate.decoder_names(spec.model_copy(update={"decoders": ("spec:drafter",)}), True, False)
 

@@ -75,7 +75,10 @@ def main() -> None:
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16)
     frozen = Frozen(
-        model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach(), None, None
+        model.get_input_embeddings().weight.detach(),
+        model.get_output_embeddings().weight.detach(),
+        None,
+        None,
     )
     b, m, width = args.batch, spec.blocks_per_sample, seq
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +128,9 @@ def main() -> None:
             copy.deepcopy(cache)
 
         draft_s = timed(draft_forward, device, args.repeats)
-        verify_s = max(timed(verify_forward, device, args.repeats) - timed(copy_only, device, args.repeats), 1e-9)
+        verify_s = max(
+            timed(verify_forward, device, args.repeats) - timed(copy_only, device, args.repeats), 1e-9
+        )
     result = {
         "shape": run.shape,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
