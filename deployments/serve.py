@@ -35,7 +35,7 @@ from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
-from a2d.flows.policy import export, policy_for
+from a2d.flows.policy import describe, export, policy_for
 from a2d.specs import ConfigError, PipelineConfig, ServePolicy, load_config
 from a2d.tasks.concurrency import GPU_LIMIT, ensure_limit
 
@@ -151,11 +151,15 @@ def absolute_store(config: PipelineConfig) -> PipelineConfig:
     return config.model_copy(update={"store": normalise_uri(config.store).removeprefix("file://")})
 
 
-def build_deployments(config: PipelineConfig, cron: str | None = None) -> list[RunnerDeployment]:
-    """One deployment per served flow, named after the config, parameters validated by the server."""
+def build_deployments(
+    config: PipelineConfig, cron: str | None = None, policy: ServePolicy | None = None
+) -> list[RunnerDeployment]:
+    """One deployment per served flow, named after the config, parameters validated by the server;
+    each description says what the serve policy (default: what the config itself uses) allows."""
     if "/" in config.name:
         raise ValueError(f"config name {config.name!r} names the deployments and cannot contain '/'")
     config = absolute_store(config)
+    allowed = describe(policy or policy_for(config))
     deployments = []
     for served in registry():
         flow = served.load()
@@ -165,7 +169,8 @@ def build_deployments(config: PipelineConfig, cron: str | None = None) -> list[R
                 parameters=default_parameters(flow, served.name, config),
                 cron=cron if served.name == "regenerate-data" else None,
                 tags=["a2d", "gpu" if served.gpu else "cpu"],
-                description=f"{flow.description or flow.name}\n\nDefaults: config {config.name!r}, store {config.store}",
+                description=f"{flow.description or flow.name}\n\nDefaults: config {config.name!r}, store "
+                f"{config.store}. Artifact keys: `a2d ls --store {config.store}`.\n\n{allowed}",
                 enforce_parameter_schema=True,
                 entrypoint_type=EntrypointType.MODULE_PATH,
             )
@@ -221,8 +226,8 @@ def serve(
 
     config = absolute_store(load_config(config_path, overrides))
     url = check_server()
-    deployments = build_deployments(config, cron)
     effective = policy_for(config, policy)
+    deployments = build_deployments(config, cron, effective)
     export(effective)  # inherited by the process of every flow run started from here
     log.info("serve policy: %s", effective.model_dump_json())
     created = ensure_limit(GPU_LIMIT, gpu_slots)

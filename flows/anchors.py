@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import AnchorSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -22,9 +22,11 @@ def anchors_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """One teacher forward per sample; hooks stream each layer's tokens to the shard writer."""
-    enforce(
+    refused = refusal(
         store=store, teacher=teacher_spec, run=opts, refs=(responses, teacher)
     )  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     stage.check_layers(spec, stage.teacher_layer_count(st, teacher))
     return run_sharded(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import DrafterSpec, RunOptions, TrainOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -23,7 +23,11 @@ def drafter_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Block drafter over the teacher's layer outputs (anchors with tokens: all); a DFlash checkpoint."""
-    enforce(store=store, run=opts, refs=(teacher, responses, anchors))  # a served run: before any work
+    refused = refusal(
+        store=store, run=opts, refs=(teacher, responses, anchors)
+    )  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "anchors": anchors}
     return run_sharded(

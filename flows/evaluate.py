@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import EvalSpec, RunOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -25,7 +25,9 @@ def eval_flow(
 ) -> ArtifactRef:
     """Speed and quality of every decoder; metrics.json, a speed/quality plot and a Markdown report."""
     upstream = (teacher, responses, head, vfm) + ((drafter,) if drafter is not None else ())
-    enforce(store=store, run=opts, refs=upstream)  # a served run: before any work
+    refused = refusal(store=store, run=opts, refs=upstream)  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm}
     if drafter is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import HeadSpec, RunOptions, TeacherSpec, TrainOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -25,9 +25,11 @@ def head_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Masked-diffusion + trajectory curriculum + anchor alignment; publishes a PEFT adapter."""
-    enforce(
+    refused = refusal(
         store=store, teacher=teacher_spec, run=opts, refs=(teacher, responses, anchors, trajectories)
     )  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     return run_sharded(
         st,

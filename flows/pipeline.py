@@ -13,7 +13,7 @@ from a2d.flows.drafter import drafter_flow
 from a2d.flows.evaluate import eval_flow
 from a2d.flows.head import head_flow
 from a2d.flows.outcomes import Outcome, observe, table
-from a2d.flows.policy import enforce_config
+from a2d.flows.policy import config_parts, refusal
 from a2d.flows.prompts import prompts_flow
 from a2d.flows.responses import responses_flow
 from a2d.flows.teacher import teacher_flow
@@ -23,7 +23,7 @@ from a2d.specs import STAGES, PipelineConfig
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.stores.keys import KeyInputs
 from a2d.tasks import anchors, drafter, evaluate, head, prompts, responses, teacher, trajectories, vfm
-from a2d.tasks.runtime import in_prefect_run
+from a2d.tasks.runtime import in_prefect_run, logger
 
 StageName = Literal[
     "teacher", "prompts", "responses", "anchors", "drafter", "trajectories", "head", "vfm", "eval"
@@ -123,6 +123,20 @@ def preflight(config: PipelineConfig, stages: tuple[str, ...], refs: Refs) -> No
         drafter.check_config(config.drafter, config.anchors, layers)
 
 
+def checked(config: PipelineConfig, stages: tuple[str, ...], refs: Refs):
+    """`preflight` as a run's first step: a config it refuses ends the run Failed with one line
+    naming the field and the fix (no traceback; a retry fails the same way), else None."""
+    try:
+        preflight(config, stages, refs)
+    except ValueError as e:
+        from prefect.states import Failed
+
+        message = f"config refused before the stages that need it ran: {e}"
+        logger().error(message)
+        return Failed(message=message)
+    return None
+
+
 def stages_until(until: str, config: PipelineConfig | None = None) -> tuple[str, ...]:
     """The stages a run up to `until` builds; the drafter only where the config has one."""
     if until not in STAGES:
@@ -147,18 +161,22 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
     """teacher → prompts → responses → anchors → drafter → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
-    enforce_config(config)  # a served run: before any work
+    refused = refusal(**config_parts(config))  # a served run: before any work
+    if refused is not None:
+        return refused
     store = ArtifactStore(config.store)
     refs: Refs = {}
     done: list[Outcome] = []
     stages = stages_until(until, config)
-    preflight(config, stages, refs)
+    refused = checked(config, stages, refs)
+    if refused is not None:
+        return refused
     for stage in stages:
         planned = store.ref_for(STEPS[stage].inputs(config, refs))
         refs[stage], outcome = observe(store, planned, lambda stage=stage: STEPS[stage].run(config, refs))
         done.append(outcome)
-        if stage == "teacher":
-            preflight(config, stages, refs)
+        if stage == "teacher" and (refused := checked(config, stages, refs)) is not None:
+            return refused
     if in_prefect_run():
         from prefect.artifacts import create_table_artifact
 

@@ -16,6 +16,7 @@ from typing import Any
 from a2d.specs import STAGES, PipelineConfig, PromptSpec, RunOptions, ServePolicy, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef
 from a2d.stores.uri import normalise_uri
+from a2d.tasks.runtime import logger
 
 POLICY_ENV = "A2D_SERVE_POLICY"
 _KEY = re.compile(r"^[0-9a-f]{16}$")
@@ -99,21 +100,60 @@ def violations(
     return out
 
 
+def refusal_message(problems: list[str]) -> str:
+    return (
+        "refused by the serve policy before any work (a retry is refused the same way; start a run "
+        "with allowed parameters, or widen the policy with a2d serve's --allow-* flags): "
+        + "; ".join(problems)
+    )
+
+
 def enforce(**parts: Any) -> None:
-    """Raise PolicyError when running under `a2d serve` and these parameters break its policy."""
+    """Raise PolicyError (one line) when running under `a2d serve` and these parameters break its policy."""
     policy = active_policy()
     if policy is None:
         return
     problems = violations(policy, **parts)
     if problems:
-        raise PolicyError(
-            "this run is not allowed by the policy of the served deployments:\n  - " + "\n  - ".join(problems)
-        )
+        raise PolicyError(refusal_message(problems))
+
+
+def refusal(**parts: Any):
+    """For a flow to return before any work: a Failed state whose message is one line naming what the
+    serve policy refuses (no traceback in the run's log), or None when the run is allowed."""
+    policy = active_policy()
+    if policy is None:
+        return None
+    problems = violations(policy, **parts)
+    if not problems:
+        return None
+    from prefect.states import Failed
+
+    message = refusal_message(problems)
+    logger().error(message)
+    return Failed(message=message)
+
+
+def config_parts(config: PipelineConfig) -> dict[str, Any]:
+    """The parts of a whole pipeline config the policy checks."""
+    return {"store": config.store, "teacher": config.teacher, "prompts": config.prompts, "run": config.run}
 
 
 def enforce_config(config: PipelineConfig) -> None:
     """`enforce` over a whole pipeline config."""
-    enforce(store=config.store, teacher=config.teacher, prompts=config.prompts, run=config.run)
+    enforce(**config_parts(config))
+
+
+def describe(policy: ServePolicy) -> str:
+    """What a served deployment's policy allows, for its description in the UI."""
+    roots = ", ".join(policy.store_roots) or "none"
+    data = ", ".join(policy.data_paths) or "none"
+    dask = ", ".join(policy.dask_addresses) or "local clusters only"
+    return (
+        f"Serve policy (checked before any work; a refused run fails with one line): store roots {roots}; "
+        f"local data {data}; Dask {dask}; remote code {'allowed' if policy.allow_remote_code else 'refused'}; "
+        f"random teachers up to {policy.max_random_teacher_params:,} parameters."
+    )
 
 
 def with_flags(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import PromptSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -21,9 +21,11 @@ def prompts_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Tokenise prompts with the teacher's tokenizer; every rejected row is counted by reason."""
-    enforce(
+    refused = refusal(
         store=store, teacher=teacher_spec, prompts=spec, run=opts, refs=(teacher,)
     )  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     return run_sharded(
         st,

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from a2d.flows.outcomes import Outcome, observe
 from a2d.flows.pipeline import STEPS, Refs, preflight
-from a2d.flows.policy import enforce_config
+from a2d.flows.policy import config_parts, refusal
 from a2d.specs import PipelineConfig
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.runtime import in_prefect_run, logger
@@ -51,7 +51,9 @@ def summary(config: PipelineConfig, outcomes: list[Outcome]) -> str:
 @flow(name="regenerate-data", log_prints=True)
 def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
     """Rebuild prompts → responses → anchors → trajectories where their inputs changed; the teacher is reused."""
-    enforce_config(config)  # a served run: before any work
+    refused = refusal(**config_parts(config))  # a served run: before any work
+    if refused is not None:
+        return refused
     log = logger()
     store = ArtifactStore(config.store)
     refs: Refs = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import ResponseSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -22,9 +22,11 @@ def responses_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Greedy (or seeded sampled) teacher generation with the KV cache, or the dataset's responses."""
-    enforce(
+    refused = refusal(
         store=store, teacher=teacher_spec, run=opts, refs=(prompts, teacher)
     )  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     return run_sharded(
         st,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -17,7 +17,9 @@ def teacher_flow(
     spec: TeacherSpec = TeacherSpec(), store: str = "./a2d-store", opts: RunOptions = RunOptions()
 ) -> ArtifactRef:
     """Build or convert the teacher into `{store}/teacher/{key}/model` (reused when complete)."""
-    enforce(store=store, teacher=spec, run=opts)  # a served run: before any work
+    refused = refusal(store=store, teacher=spec, run=opts)  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     return run_sharded(
         st,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import RunOptions, TrajectorySpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -21,7 +21,9 @@ def trajectories_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """One record per sample: the step at which each response position is committed."""
-    enforce(store=store, run=opts, refs=(responses, anchors))  # a served run: before any work
+    refused = refusal(store=store, run=opts, refs=(responses, anchors))  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     return run_sharded(
         st,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import enforce
+from a2d.flows.policy import refusal
 from a2d.flows.stage import run_sharded
 from a2d.specs import RunOptions, TrainOptions, VFMSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
@@ -22,7 +22,9 @@ def vfm_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Noise adapter q_φ(z | prompt) trained so the frozen student decodes the teacher's response in one step."""
-    enforce(store=store, run=opts, refs=(head, responses))  # a served run: before any work
+    refused = refusal(store=store, run=opts, refs=(head, responses))  # a served run: before any work
+    if refused is not None:
+        return refused
     st = ArtifactStore(store)
     return run_sharded(
         st,

@@ -210,9 +210,10 @@ def head_train(
         (out / "diffusion_spec.json").write_text(json.dumps(diffusion_spec, indent=2, sort_keys=True))
         files = {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
     history = result["history"]
+    rows, tokens = trained_on(store, responses)
     stats = {
-        "rows": 0,
-        "tokens": 0,
+        "rows": rows,  # the training responses the head learned from
+        "tokens": tokens,
         "diffusion_spec": diffusion_spec,
         "first_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
@@ -220,6 +221,14 @@ def head_train(
         "history": history[-50:],
     }
     return store.write_marker(ref, SHARD, files, stats)
+
+
+def trained_on(store: ArtifactStore, responses: ArtifactRef) -> tuple[int, int]:
+    """(rows, response tokens) of the training split a model stage learned from (its table's figures)."""
+    from a2d.stores.readers import read_responses
+
+    train = [r for r in read_responses(store, responses).to_pylist() if r["split"] == "train"]
+    return len(train), sum(len(r["response_ids"]) for r in train)
 
 
 def summarise(markers: dict[str, dict]) -> dict[str, Any]:

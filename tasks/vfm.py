@@ -23,6 +23,7 @@ from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import read_responses
 from a2d.stores.uri import Location
 from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.head import trained_on
 from a2d.tasks.interrupt import StopFlag, Stopped, on_sigterm, stop_requested
 from a2d.tasks.report import Progress
 from a2d.tasks.runtime import in_prefect_run, logger
@@ -244,9 +245,10 @@ def vfm_train(
         )
         files = {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
     hist = result["history"]
+    rows, tokens = trained_on(store, responses)
     stats = {
-        "rows": 0,
-        "tokens": 0,
+        "rows": rows,  # the training responses the flow map learned from
+        "tokens": tokens,
         "first_ce": hist[0]["ce"] if hist else None,
         "final_ce": hist[-1]["ce"] if hist else None,
         "history": hist[-50:],

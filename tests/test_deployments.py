@@ -8,6 +8,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -508,7 +509,7 @@ def test_the_serve_policy_allows_the_served_config_and_refuses_the_rest(tmp_path
 
 def test_a_served_run_outside_the_policy_fails_before_any_work(tmp_path, monkeypatch):
     from a2d.flows.pipeline import pipeline
-    from a2d.flows.policy import POLICY_ENV, PolicyError, policy_for
+    from a2d.flows.policy import POLICY_ENV, PolicyError, enforce, policy_for
     from a2d.flows.prompts import prompts_flow
     from a2d.specs import PromptSpec
     from a2d.stores.artifacts import ArtifactRef
@@ -516,15 +517,21 @@ def test_a_served_run_outside_the_policy_fails_before_any_work(tmp_path, monkeyp
     served = tiny_config(str(tmp_path / "store"))
     monkeypatch.setenv(POLICY_ENV, policy_for(served).model_dump_json())  # as `a2d serve` exports it
     foreign = tmp_path / "foreign"
-    with pytest.raises(PolicyError, match="not an allowed store root"):
-        pipeline(served.model_copy(update={"store": str(foreign)}), until="prompts")
+    state = pipeline(served.model_copy(update={"store": str(foreign)}), until="prompts", return_state=True)
+    # Failed with one line naming the rule (no traceback, no escaped newlines), before any work
+    assert state.is_failed() and "not an allowed store root" in state.message and "\n" not in state.message
     assert not foreign.exists()
     teacher = ArtifactRef(stage="teacher", key="0" * 16, uri="file:///x")
-    with pytest.raises(PolicyError, match="prompts.files entry .*secret.jsonl"):
-        prompts_flow(
-            teacher, PromptSpec(source="files", files=(str(tmp_path / "secret.jsonl"),)), store=served.store
-        )
+    state = prompts_flow(
+        teacher,
+        PromptSpec(source="files", files=(str(tmp_path / "secret.jsonl"),)),
+        store=served.store,
+        return_state=True,
+    )
+    assert state.is_failed() and re.search("prompts.files entry .*secret.jsonl", state.message)
     assert not (tmp_path / "store").exists()
+    with pytest.raises(PolicyError, match="refused by the serve policy"):  # the raising form, one line
+        enforce(store=str(foreign))
 
 
 def test_a_policy_file_and_flags_combine_and_a_typo_is_named(tmp_path):

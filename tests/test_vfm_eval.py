@@ -366,6 +366,13 @@ def test_the_drafter_resumes_exactly_and_refuses_anchors_it_cannot_use(built, tm
     with pytest.raises(ValueError, match="anchors.tokens: all"):
         check_config(spec, cfg.anchors.model_copy(update={"tokens": "response"}), 4)
     assert pipeline(cfg, until="drafter")["drafter"] == refs["drafter"]  # reused
+    # the model stages' tables count the training responses they learned from
+    from a2d.stores.readers import read_responses
+
+    train = [r for r in read_responses(st, refs["responses"]).to_pylist() if r["split"] == "train"]
+    tokens = sum(len(r["response_ids"]) for r in train)
+    for stage in ("head", "vfm", "drafter"):
+        assert (st.manifest(refs[stage])["rows"], st.manifest(refs[stage])["tokens"]) == (len(train), tokens)
 
 
 def test_lm_eval_loglikelihood_is_the_base_model(built):
