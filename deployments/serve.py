@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ EXTRA_FLOWS = (
     ("pipeline", "a2d.flows.pipeline", "pipeline"),
     ("regenerate-data", "a2d.flows.regenerate", "regenerate_data"),
 )
+
+HEARTBEAT_S = 30  # flow runs of served deployments tell the server they are alive this often
+CRASHED_AFTER_S = 120  # and are marked Crashed when none came for this long (a killed process)
+CRASH_AUTOMATION = "a2d: mark silent flow runs Crashed"
 
 NO_SERVER = (
     "PREFECT_API_URL is not set, so there is no Prefect server to serve to. Start one and point at it:\n"
@@ -196,6 +201,55 @@ def check_server() -> str:
     return url
 
 
+def ensure_crash_detection(silence_s: int = CRASHED_AFTER_S) -> bool:
+    """The server-side half of crash detection: an automation that marks a flow run Crashed when its
+    heartbeats stop for `silence_s` without a final state (its process was killed). Created once per
+    server; returns whether this call created it. The runs' half is `PREFECT_FLOWS_HEARTBEAT_FREQUENCY`,
+    which `serve` sets for every run it starts."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        Automation.read(name=CRASH_AUTOMATION)
+        return False
+    except (ObjectNotFound, ValueError):
+        pass
+    Automation(
+        name=CRASH_AUTOMATION,
+        description="A flow run that stopped sending heartbeats without finishing was killed: mark it "
+        "Crashed so that Retry resumes it from its finished shards and last checkpoint.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={
+                "prefect.flow-run.heartbeat",
+                "prefect.flow-run.Completed",
+                "prefect.flow-run.Failed",
+                "prefect.flow-run.Cancelled",
+                "prefect.flow-run.Crashed",
+            },
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=silence_s),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {silence_s} s: the run's process died (killed, out of memory, "
+                "machine lost); Retry resumes it from finished shards and the last checkpoint",
+            )
+        ],
+    ).create()
+    return True
+
+
 def load_policy(path: str | None) -> ServePolicy | None:
     """A `--policy` YAML file (ServePolicy fields), or None without one."""
     if path is None:
@@ -230,6 +284,13 @@ def serve(
     deployments = build_deployments(config, cron, effective)
     export(effective)  # inherited by the process of every flow run started from here
     log.info("serve policy: %s", effective.model_dump_json())
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by every run
+    log.info(
+        "crash detection: runs send a heartbeat every %s s; automation %r %s",
+        os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"],
+        CRASH_AUTOMATION,
+        "created" if ensure_crash_detection() else "already exists",
+    )
     created = ensure_limit(GPU_LIMIT, gpu_slots)
     log.info(
         "global concurrency limit %r %s on %s",

@@ -382,6 +382,19 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
 
         _wait_until(registered, 180, "a2d serve", serve, log)
         assert client.read_global_concurrency_limit_by_name("gpu").limit == 1
+        # crash detection: the server marks a run Crashed when its heartbeats stop without a final state
+        from prefect.automations import Automation
+
+        from a2d.deployments.serve import CRASH_AUTOMATION, CRASHED_AFTER_S
+
+        crash = Automation.read(name=CRASH_AUTOMATION)
+        assert crash.enabled and crash.trigger.posture == "Proactive"
+        assert (
+            crash.trigger.after == {"prefect.flow-run.heartbeat"}
+            and "prefect.flow-run.Completed" in crash.trigger.expect
+        )
+        assert crash.trigger.within.total_seconds() == CRASHED_AFTER_S
+        assert crash.actions[0].state == "CRASHED"
 
         def run() -> None:
             flow_run = run_deployment("pipeline/e2e", parameters=params, timeout=300, poll_interval=1)
@@ -547,3 +560,17 @@ def test_a_policy_file_and_flags_combine_and_a_typo_is_named(tmp_path):
     f.write_text("store_root: [s3://team/a2d]\n")
     with pytest.raises(ConfigError, match="store_root"):
         load_policy(str(f))
+
+
+def test_crash_detection_is_one_automation_per_server():
+    """`a2d serve` registers the automation that marks a run Crashed when its heartbeats stop."""
+    from prefect.automations import Automation
+
+    from a2d.deployments.serve import CRASH_AUTOMATION, ensure_crash_detection
+
+    assert ensure_crash_detection(silence_s=90) is True
+    assert ensure_crash_detection(silence_s=90) is False  # a second serve finds it
+    made = Automation.read(name=CRASH_AUTOMATION)
+    assert made.trigger.posture == "Proactive" and made.trigger.within.total_seconds() == 90
+    assert made.trigger.for_each == {"prefect.resource.id"} and made.actions[0].state == "CRASHED"
+    made.delete()
