@@ -42,7 +42,7 @@ STARTUP_TIMEOUT_S = 180  # Prefect's default is 20 s
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from a2d.flows.pipeline import plan, stages_until
+    from a2d.flows.pipeline import plan, preflight, stages_until
 
     overrides = list(args.set or [])
     if args.store:
@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"store={os.environ['A2D_STORE']}")
     config = load_config(args.config, overrides)
     until = args.until or STAGES[-1]
-    stages_until(until, config)
+    preflight(config, stages_until(until, config), {})  # what the config alone decides, before any server
     start = time.perf_counter()
     # The store decides reuse: when every artifact is already complete, no flow (and no
     # Prefect server) needs to start at all.
@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from prefect.exceptions import FailedRun
+
     # The temporary Prefect server a run may start inherits this: it stays off the network unless
     # the user opts in (offline machines otherwise log a telemetry error on every run).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -322,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"a2d: error: {msg}", file=sys.stderr)
+        return 2
+    except FailedRun as e:  # a run that refused itself (policy, config): its one line
+        print(f"a2d: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         if "ephemeral Prefect API server" not in str(e):

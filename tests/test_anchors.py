@@ -74,16 +74,16 @@ def anchored(tmp_path_factory):
 @pytest.fixture(scope="module")
 def captured(anchored) -> tuple[list[dict], torch.Tensor]:
     """One responses shard's rows and the teacher's states for them at layers [0, 31, 63], captured
-    afresh (float32 from the bf16 bits): (T, 3, H)."""
+    afresh for the tokens the config stores (float32 from the bf16 bits): (T, 3, H)."""
     from a2d.stores.parquet import read_shard
     from a2d.tasks.teacher import local_dir
 
-    store, _, refs = anchored
+    store, cfg, refs = anchored
     st = ArtifactStore(store)
     rows = read_shard(st.loc(refs["responses"]), "part-00001.parquet").to_pylist()
     model, tok = load_teacher(local_dir(st, refs["teacher"]), device="cpu")
     prompts, responses = [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows]
-    cap = capture_shard(model, prompts, responses, [0, 31, 63], "response", tok.pad_token_id, 4)
+    cap = capture_shard(model, prompts, responses, [0, 31, 63], cfg.anchors.tokens, tok.pad_token_id, 4)
     return rows, from_bf16_bits(cap.bits).float()
 
 

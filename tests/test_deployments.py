@@ -55,7 +55,7 @@ def test_registry_serves_every_flow_in_the_package():
 
     names = [s.name for s in registry()]
     assert names == [
-        "teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval",
+        "teacher", "prompts", "responses", "anchors", "drafter", "trajectories", "head", "vfm", "eval",
         "pipeline", "regenerate-data",
     ]  # fmt: skip
     defined = set()
