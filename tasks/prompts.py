@@ -68,6 +68,8 @@ def key_inputs(spec: PromptSpec, teacher_key: str) -> KeyInputs:
     """The prompts key: the dataset spec, local files by name and content hash, the teacher (its tokenizer)."""
     payload = {**spec.model_dump(mode="json"), **source_identity(spec)}
     payload["files"] = [Path(f).name for f in spec.files]  # the content hash, not the path, matters
+    if spec.bundled_style == "answer":  # the style before there was a choice: older keys stay valid
+        payload.pop("bundled_style")
     return KeyInputs(STAGE, FORMAT_VERSION, payload, {"teacher": teacher_key})
 
 

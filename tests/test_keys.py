@@ -52,7 +52,7 @@ def test_unused_source_settings_stay_out_of_the_trajectories_key():
 
 
 # -- every spec field is in its stage's key; no run option is in any key --------------------------------
-SPEC_STAGES = ("teacher", "prompts", "responses", "anchors", "trajectories", "head", "vfm", "eval")
+SPEC_STAGES = ("teacher", "prompts", "responses", "anchors", "drafter", "trajectories", "head", "vfm", "eval")
 # Fields that count only in a context: (context overrides, then the field is changed).
 CONTEXT = {
     "anchors.outlier_channels": {"anchors": {"dtype": "int8"}},  # int8 only
@@ -87,7 +87,7 @@ def _candidates(value):
         out += [value + "x", "x", "all", "threshold:0.5"]  # the last: a decoder name (eval.lm_eval_decoder)
     if isinstance(value, list | tuple):
         out += [[0], [1], [0.5], [1, 2], ["x.jsonl"], list(value)[:-1], [*value, value[-1] if value else 1]]
-    out += ["x", 1, 0.5, [0], "0" * 16]  # whatever the field's type, one of these may fit
+    out += ["x", 1, 0.5, [0], "0" * 16, 64, ["spec:head"]]  # whatever the field's type, one of these may fit
     return [c for c in out if c != value]
 
 
@@ -119,6 +119,8 @@ def _variant(base: dict, path: str):
     model = PipelineConfig
     for part in path.split(".")[:-1]:
         model = model.model_fields[part].annotation
+        if not hasattr(model, "model_fields"):  # an optional section (`drafter: DrafterSpec | None`)
+            model = next(a for a in model.__args__ if hasattr(a, "model_fields"))
     field = model.model_fields[path.rsplit(".", 1)[1]]
     choices = list(getattr(field.annotation, "__args__", ())) if "Literal" in str(field.annotation) else []
     if choices == [value]:

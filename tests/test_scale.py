@@ -94,6 +94,7 @@ def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
         "prompts",
         "responses",
         "anchors",
+        "drafter",
         "trajectories",
         "head",
     }
@@ -111,7 +112,7 @@ def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
         *sum((["--set", s] for s in LLAMA), []),
     ]
     assert main(args) == 0
-    assert capsys.readouterr().out.count("reuse ") == 6
+    assert capsys.readouterr().out.count("reuse ") == 7  # teacher .. head, the drafter included
     assert {p: fs.info(p)["LastModified"] for p in fs.find(st.root.path)} == before
 
     # Per-shard resume: drop one anchors shard's marker and the manifest; only that shard is rebuilt.

@@ -25,7 +25,7 @@ SMALL = [
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("traj"))
-    cfg = tiny_config(store, *SMALL, "anchors.layers=[0, -1]")
+    cfg = tiny_config(store, *SMALL, "anchors.layers=[0, -1]", "drafter=null")  # two layers: no drafter
     return store, cfg, pipeline(cfg, until="trajectories")
 
 
