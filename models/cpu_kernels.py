@@ -11,22 +11,21 @@ inference-time kernel choice, the same function up to float rounding (checked wh
 
 from __future__ import annotations
 
-import logging
+import functools
 from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger("a2d.kernels")
-
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+@functools.cache
 def supported() -> bool:
-    """Whether this torch build has oneDNN's packed linear and it agrees with `F.linear`."""
+    """Whether this torch build has oneDNN's packed linear and it agrees with `F.linear` (checked once)."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -340,7 +340,3 @@ def position_weights(block: int, gamma: float) -> torch.Tensor:
     """CE weight of block offsets 1..block-1: exp(-(k-1)/γ) (the first draft matters most)."""
     k = torch.arange(1, block, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)
-
-
-def config_dict(cfg: DrafterConfig) -> dict[str, Any]:
-    return {**asdict(cfg), "target_layer_ids": list(cfg.target_layer_ids)}

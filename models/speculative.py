@@ -248,14 +248,14 @@ class DFlashDraft(Drafter):
     the drafter's own forwards (its cost next to the verify forwards').
     """
 
-    def __init__(self, student: Student, drafter: torch.nn.Module, block: int | None = None):
+    def __init__(self, student: Student, drafter: torch.nn.Module):
         cfg = drafter.config
         hidden = student.inner.get_input_embeddings().weight.shape[1]
         if cfg.hidden_size != hidden:
             raise ValueError(f"the drafter's hidden_size {cfg.hidden_size} is not the verifier's {hidden}")
         self.student, self.drafter = student, drafter
         self.layers = list(cfg.target_layer_ids)
-        self.length = min(block or cfg.block_size, cfg.block_size)
+        self.length = cfg.block_size
         self.embed = student.inner.get_input_embeddings()
         head = lm_head(student)
         self.vocab = drafter.draft_vocab

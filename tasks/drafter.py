@@ -16,8 +16,8 @@ teacher, anchors and layers it was trained from, checked again by every consumer
 from __future__ import annotations
 
 import json
-import math
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +47,11 @@ from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import read_responses
 from a2d.stores.uri import Location
 from a2d.tasks import teacher as teacher_stage
-from a2d.tasks.concurrency import gpu_slot
-from a2d.tasks.interrupt import StopFlag, Stopped, on_sigterm, stop_requested
+from a2d.tasks.interrupt import StopFlag, on_sigterm
 from a2d.tasks.report import Progress
-from a2d.tasks.runtime import in_prefect_run, logger
+from a2d.tasks.runtime import logger
 from a2d.tasks.tracking import Tracker
-from a2d.tasks.training import restore_checkpoints, workdir
+from a2d.tasks.training import lr_lambda, run_trainer
 
 STAGE = "drafter"
 SHARD = "drafter"
@@ -284,20 +283,6 @@ def teacher_forced(
     }
 
 
-def lr_factor(spec: DrafterSpec):
-    def f(step: int) -> float:
-        if step < spec.warmup_steps:
-            return (step + 1) / (spec.warmup_steps + 1)
-        progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps))
-        if spec.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        if spec.lr_schedule == "linear":
-            return 1.0 - progress
-        return 1.0
-
-    return f
-
-
 def build_config(spec: DrafterSpec, text_config, layers: list[int], mask_id: int) -> DrafterConfig:
     heads = text_config.num_attention_heads
     rope = getattr(text_config, "rope_parameters", None) or {}
@@ -335,7 +320,9 @@ def train_drafter(
     teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
     remote_code = teacher_stage.trusts_remote_code(store, refs["teacher"])
     with store.reading(refs["teacher"]):
-        model, tok = teacher_stage.tm.load_teacher(teacher_dir, device="cpu", trust_remote_code=remote_code)
+        model, tok = teacher_stage.tm.load_teacher(  # only its embedding, head and shape: no packed kernels
+            teacher_dir, device="cpu", trust_remote_code=remote_code, packed=False
+        )
     text = model.config.get_text_config()
     layers = target_layers(spec, text.num_hidden_layers)
     reader = AnchorReader(store, refs["anchors"])
@@ -360,7 +347,7 @@ def train_drafter(
     frozen.embed, frozen.head = frozen.embed.to(dtype), frozen.head.to(dtype)
     params = [p for p in drafter.parameters()]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(spec))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
     root = work / "checkpoints"
     step, curve = 0, []
     last = checkpoints.latest(root)
@@ -394,12 +381,7 @@ def train_drafter(
         {"drafter": spec.model_dump(mode="json"), "train": train.model_dump(mode="json"), "layers": layers},
         work,
     )
-    if tracker.url and in_prefect_run():
-        from prefect.artifacts import create_link_artifact
-
-        create_link_artifact(key="a2d-drafter-wandb", link=tracker.url, description="W&B run")
-    import time
-
+    tracker.publish_link()
     started = time.perf_counter()
     with on_sigterm(stop), tracker:
         drafter.train()
@@ -481,26 +463,13 @@ def drafter_train(
     device: str,
 ) -> dict:
     store = ArtifactStore(store_uri)
-    work = workdir(store, ref)
     dev = str(resolve_device(device))
-    remote = restore_checkpoints(store, ref, work)
-    if stop_requested():
-        raise Stopped(
-            "drafter training was not started: SIGTERM arrived first; rerun the drafter stage to resume"
-        )
-    with gpu_slot():
-        result = train_drafter(store, refs, spec, train, work, dev, remote=remote)
-    if result["stopped"]:
-        raise Stopped(
-            f"drafter training stopped by SIGTERM at step {result['step']} after saving a checkpoint; "
-            "rerun the drafter stage to resume"
-        )
-    last = checkpoints.latest(work / "checkpoints")
-    if last is None or checkpoints.step_of(last) != spec.steps:
-        raise RuntimeError(
-            f"drafter training ended at step {result['step']} without a verified checkpoint of step {spec.steps} "
-            f"(newest: {last.name if last else 'none'}); rerun the drafter stage to resume"
-        )
+    result, last = run_trainer(
+        store,
+        ref,
+        spec.steps,
+        lambda work, remote: train_drafter(store, refs, spec, train, work, dev, remote=remote),
+    )
     provenance = {
         "teacher_key": refs["teacher"].key,
         "anchors_key": refs["anchors"].key,

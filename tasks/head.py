@@ -24,8 +24,9 @@ from a2d.stores.keys import KeyInputs
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.interrupt import Stopped, on_sigterm, stop_requested
 from a2d.tasks.report import Progress
-from a2d.tasks.runtime import in_prefect_run, logger
+from a2d.tasks.runtime import logger
 from a2d.tasks.students import HEAD_SHARD
+from a2d.tasks.tracking import publish_link
 from a2d.tasks.train_head import TrainJob
 from a2d.tasks.training import restore_checkpoints, workdir
 
@@ -137,10 +138,8 @@ def _stream(proc: subprocess.Popen, progress: Progress, bar: tqdm) -> int:
             if kind in ("progress", "resume"):
                 bar.update(fields["step"] - bar.n)
                 progress.advance(fields["step"] - progress.done)
-            if kind == "wandb" and fields.get("url") and in_prefect_run():
-                from prefect.artifacts import create_link_artifact
-
-                create_link_artifact(key="a2d-head-wandb", link=fields["url"], description="W&B run")
+            if kind == "wandb":
+                publish_link("head", fields.get("url"))
             log.info("train %s %s", kind, payload)
         elif line and "Loading weights" not in line:
             if THIRD_PARTY_NOISE.search(line):  # kept on the process's stderr, not in the run's log

@@ -13,11 +13,22 @@ from pathlib import Path
 from typing import Any
 
 
+def publish_link(stage: str, url: str | None) -> None:
+    """The W&B run's page as a link artifact (`a2d-<stage>-wandb`) on the Prefect run, when both exist."""
+    from a2d.tasks.runtime import in_prefect_run
+
+    if url and in_prefect_run():
+        from prefect.artifacts import create_link_artifact
+
+        create_link_artifact(key=f"a2d-{stage}-wandb", link=url, description="W&B run")
+
+
 class Tracker:
     """One W&B run for one training artifact, or a no-op."""
 
     def __init__(self, project: str | None, stage: str, key: str, config: dict[str, Any], workdir: Path):
         self.run: Any = None
+        self.stage = stage
         if not project:
             return
         import wandb
@@ -38,6 +49,9 @@ class Tracker:
     def url(self) -> str | None:
         """The run's page, when it has one (online mode)."""
         return getattr(self.run, "url", None) if self.run is not None else None
+
+    def publish_link(self) -> None:
+        publish_link(self.stage, self.url)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:

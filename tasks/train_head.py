@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import signal
 import sys
@@ -39,6 +38,7 @@ from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.interrupt import StopFlag
 from a2d.tasks.students import head_student
 from a2d.tasks.tracking import Tracker
+from a2d.tasks.training import lr_lambda
 
 
 class TrainJob(BaseModel):
@@ -69,20 +69,6 @@ def emit(kind: str, **fields: Any) -> None:
         return
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), f"A2D {kind} {json.dumps(fields, sort_keys=True)}\n".encode())
-
-
-def lr_lambda(spec: HeadSpec):
-    def f(step: int) -> float:
-        if step < spec.warmup_steps:
-            return (step + 1) / (spec.warmup_steps + 1)
-        progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-        if spec.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        if spec.lr_schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        return 1.0
-
-    return f
 
 
 @functools.lru_cache(maxsize=4)

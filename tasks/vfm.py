@@ -22,14 +22,13 @@ from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import read_responses
 from a2d.stores.uri import Location
-from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.head import trained_on
-from a2d.tasks.interrupt import StopFlag, Stopped, on_sigterm, stop_requested
+from a2d.tasks.interrupt import StopFlag, on_sigterm
 from a2d.tasks.report import Progress
-from a2d.tasks.runtime import in_prefect_run, logger
+from a2d.tasks.runtime import logger
 from a2d.tasks.students import FLOW_MAP_LORA, VFM_SHARD, load_student
 from a2d.tasks.tracking import Tracker
-from a2d.tasks.training import restore_checkpoints, workdir
+from a2d.tasks.training import run_trainer
 
 STAGE = "vfm"
 SHARD = VFM_SHARD
@@ -152,10 +151,7 @@ def train_vfm(
         {"vfm": spec.model_dump(mode="json"), "train": train.model_dump(mode="json"), "precision": precision},
         work,
     )
-    if tracker.url and in_prefect_run():
-        from prefect.artifacts import create_link_artifact
-
-        create_link_artifact(key="a2d-vfm-wandb", link=tracker.url, description="W&B run")
+    tracker.publish_link()
     with on_sigterm(stop), tracker:
         while step < spec.steps:
             rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
@@ -218,24 +214,13 @@ def vfm_train(
     device: str,
 ) -> dict:
     store = ArtifactStore(store_uri)
-    work = workdir(store, ref)
     dev = str(resolve_device(device))
-    remote = restore_checkpoints(store, ref, work)
-    if stop_requested():  # SIGTERM came while this task was getting ready: start nothing
-        raise Stopped("vfm training was not started: SIGTERM arrived first; rerun the vfm stage to resume")
-    with gpu_slot():
-        result = train_vfm(store, head, responses, spec, train, work, dev, remote=remote)
-    if result["stopped"]:
-        raise Stopped(
-            f"vfm training stopped by SIGTERM at step {result['step']} after saving a checkpoint; "
-            "rerun the vfm stage to resume"
-        )
-    last = checkpoints.latest(work / "checkpoints")
-    if last is None or checkpoints.step_of(last) != spec.steps:
-        raise RuntimeError(
-            f"vfm training ended at step {result['step']} without a verified checkpoint of step {spec.steps} "
-            f"(newest: {last.name if last else 'none'}); rerun the vfm stage to resume"
-        )
+    result, last = run_trainer(
+        store,
+        ref,
+        spec.steps,
+        lambda work, remote: train_vfm(store, head, responses, spec, train, work, dev, remote=remote),
+    )
     with store.shard_output(ref, SHARD) as out:
         shutil.copytree(last / "adapter", out)
         if spec.tune_lora:

@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from a2d.models.drafter import DFlashDrafter, DrafterConfig, position_weights, spread_layers  # noqa: E402
+from a2d.models.drafter import DFlashDrafter, position_weights  # noqa: E402
 from a2d.specs import DrafterSpec  # noqa: E402
-from a2d.tasks.drafter import Frozen, drafter_loss  # noqa: E402
+from a2d.tasks.drafter import Frozen, build_config, drafter_loss, target_layers  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 
 
@@ -58,20 +58,8 @@ def main() -> None:
         gamma=7.0,
         dtype="bfloat16",
     )
-    layers = spread_layers(text.num_hidden_layers, spec.feature_layers)
-    cfg = DrafterConfig(
-        hidden_size=text.hidden_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads,
-        head_dim=text.head_dim,
-        intermediate_size=text.intermediate_size,
-        vocab_size=text.vocab_size,
-        block_size=block,
-        target_layer_ids=tuple(layers),
-        num_target_layers=text.num_hidden_layers,
-        mask_token_id=text.vocab_size - 1,
-    )
+    layers = target_layers(spec, text.num_hidden_layers)
+    cfg = build_config(spec, text, layers, mask_id=text.vocab_size - 1)  # the stage's own config builder
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16)
     frozen = Frozen(
