@@ -310,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from prefect.exceptions import FailedRun
 
+    from a2d.stores.artifacts import StoreWriteError
+
     # The temporary Prefect server a run may start inherits this: it stays off the network unless
     # the user opts in (offline machines otherwise log a telemetry error on every run).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -328,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     except FailedRun as e:  # a run that refused itself (policy, config): its one line
         print(f"a2d: error: {e}", file=sys.stderr)
         return 2
+    except StoreWriteError as e:  # names the object, the store and what to do; the run's log has the rest
+        print(f"a2d: error: {e}", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if "ephemeral Prefect API server" not in str(e):
             raise

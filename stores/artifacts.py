@@ -63,6 +63,11 @@ class DamagedArtifactError(IncompleteArtifactError):
     """A complete artifact whose files do not match their checksums; the message names them."""
 
 
+class StoreWriteError(OSError):
+    """A write to the store failed (refused, 5xx, disk full); the message names the object, the store
+    and what was left unmarked, and the store's own error is chained as the cause."""
+
+
 KEY_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 
 
@@ -303,7 +308,20 @@ class ArtifactStore:
             "created": existing["created"] if existing else now_iso(),
         }
         if existing != plan:
-            self.loc(ref).write_json(PLAN, plan)
+            with self.writing(ref, PLAN, "no shard of it was written"):
+                self.loc(ref).write_json(PLAN, plan)
+
+    @contextlib.contextmanager
+    def writing(self, ref: ArtifactRef, rel: str, unmarked: str) -> Iterator[None]:
+        """Raise a failed write of `rel` as a StoreWriteError naming the object, the store and what
+        was left unmarked (`unmarked`), with the store's own error chained."""
+        try:
+            yield
+        except Exception as e:
+            raise StoreWriteError(
+                f"could not write {self.loc(ref).uri}/{rel} to the store {self.root.uri} "
+                f"({type(e).__name__}: {e}); {unmarked}: rerun once the store is reachable"
+            ) from e
 
     # -- shards ---------------------------------------------------------------------------------------
     def marker(self, ref: ArtifactRef, shard: str) -> dict[str, Any] | None:
@@ -348,17 +366,18 @@ class ArtifactStore:
             yield target
             if not target.exists():
                 raise RuntimeError(f"shard writer produced nothing at {target}")
-            if loc.is_local:
-                final = loc.local_path() / name
-                if final.is_dir():
-                    shutil.rmtree(final)
-                elif final.exists():
-                    final.unlink()
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(target, final)
-            else:
-                loc.remove(name)
-                loc.fs.put(str(target), loc._p(name), recursive=target.is_dir())
+            with self.writing(ref, name, f"{name} was not marked finished (finished shards are kept)"):
+                if loc.is_local:
+                    final = loc.local_path() / name
+                    if final.is_dir():
+                        shutil.rmtree(final)
+                    elif final.exists():
+                        final.unlink()
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(target, final)
+                else:
+                    loc.remove(name)
+                    loc.fs.put(str(target), loc._p(name), recursive=target.is_dir())
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -367,16 +386,18 @@ class ArtifactStore:
     ) -> dict:
         """Mark a shard finished. `files` maps paths relative to the artifact to their sha256."""
         loc = self.loc(ref)
-        sizes = {rel: loc.fs.size(loc._p(rel)) for rel in files}
-        marker = {
-            "shard": shard,
-            "files": dict(sorted(files.items())),
-            "sha256": sha256_tree(files),
-            "bytes": int(sum(sizes.values())),
-            "finished": now_iso(),
-            **canonical(dict(stats)),
-        }
-        loc.write_json(f"{MARKERS}/{shard}.json", marker)
+        path = f"{MARKERS}/{shard}.json"
+        with self.writing(ref, path, f"shard {shard} was not marked finished (finished shards are kept)"):
+            sizes = {rel: loc.fs.size(loc._p(rel)) for rel in files}
+            marker = {
+                "shard": shard,
+                "files": dict(sorted(files.items())),
+                "sha256": sha256_tree(files),
+                "bytes": int(sum(sizes.values())),
+                "finished": now_iso(),
+                **canonical(dict(stats)),
+            }
+            loc.write_json(path, marker)
         return marker
 
     def discard_shard(self, ref: ArtifactRef, shard: str) -> None:
@@ -409,7 +430,11 @@ class ArtifactStore:
             "bytes": int(sum(m["bytes"] for m in shards.values())),
             "metrics": canonical(dict(metrics or {})),
         }
-        self.loc(ref).write_json(MANIFEST, manifest)
+        undone = (
+            f"the {ref.stage} artifact {ref.key} was not committed and stays partial (its shards are kept)"
+        )
+        with self.writing(ref, MANIFEST, undone):
+            self.loc(ref).write_json(MANIFEST, manifest)
         return manifest
 
     def local_copy(self, ref: ArtifactRef, shard: str, cache_root: Path) -> Path:

@@ -465,6 +465,61 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         assert flow_run.state.is_failed() and "not an allowed store root" in flow_run.state.message
         assert not foreign.exists()
 
+        # A run whose process is SIGKILLed mid-stage is marked Crashed; Retry (what the UI's button
+        # sends) resumes it from the shards that were finished.
+        crash = {
+            **params,
+            "config": {
+                **params["config"],
+                "prompts": {**params["config"]["prompts"], "rows_per_shard": 1},
+                "responses": {**params["config"]["responses"], "max_new_tokens": 48},
+            },
+            "until": "responses",
+        }
+        crash_refs = planned_refs(type(config).model_validate(crash["config"]))
+        markers = store / "responses" / crash_refs["responses"].key / "_markers"
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=crash)
+        deadline = time.monotonic() + 180
+        while not (markers.is_dir() and any(markers.iterdir())):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.05)
+        os.kill(_run_process(serve.pid, flow_run.id), signal.SIGKILL)
+        done_before = len(list(markers.iterdir()))
+        _wait_for_state(client, flow_run.id, "CRASHED", 60)
+        shards = len(list((store / "prompts" / crash_refs["prompts"].key / "_markers").iterdir()))
+        assert done_before < shards, "the stage finished before the kill: nothing to resume"
+
+        from prefect.states import AwaitingRetry
+
+        client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+        _wait_for_state(client, flow_run.id, "COMPLETED", 180)
+        summary = _tables(client, "a2d-pipeline", whole=True)[-1]
+        resumed = {r["stage"]: r["outcome"] for r in summary}["responses"]
+        finished = re.fullmatch(r"resumed \((\d+) of (\d+) shards already finished\)", resumed)
+        assert finished and int(finished[1]) >= done_before and int(finished[2]) == shards, resumed
+        assert len(list(markers.iterdir())) == shards
+
+
+def _run_process(root: int, flow_run_id) -> int:
+    """The process under `root` that runs `flow_run_id` (the runner starts one per flow run)."""
+    pending = [root]
+    while pending:
+        pid = pending.pop()
+        with suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+                return pid
+            for task_dir in Path(f"/proc/{pid}/task").iterdir():
+                pending += [int(c) for c in (task_dir / "children").read_text().split()]
+    raise AssertionError(f"no process runs flow run {flow_run_id}")
+
+
+def _wait_for_state(client, flow_run_id, state: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while (current := client.read_flow_run(flow_run_id).state).type.value != state:
+        assert time.monotonic() < deadline, f"flow run still {current} after {timeout:.0f} s"
+        time.sleep(0.5)
+
 
 # -- the serve policy: what runs from served deployments may do ------------------------------------------
 def test_the_serve_policy_allows_the_served_config_and_refuses_the_rest(tmp_path):

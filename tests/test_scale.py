@@ -1,13 +1,8 @@
 """Scale-out on one machine: an S3 store (moto's server on 127.0.0.1), Dask shard fan-out, 2-process training."""
 
-import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 
 import pytest
@@ -28,55 +23,6 @@ LLAMA = [
     "responses.max_new_tokens=8",
     "anchors.layers=[0, 1]",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """moto's S3-compatible server on 127.0.0.1, stopped by PID at the end."""
-    port = _free_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    saved = {
-        k: os.environ.get(k)
-        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
-    }
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=endpoint,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # a server start: bounded wait for the port to accept connections
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            assert time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.2)
-        import s3fs
-
-        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("a2d-test")
-        yield "s3://a2d-test/run"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.slow
