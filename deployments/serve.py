@@ -35,9 +35,11 @@ from typing import Any
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
+from prefect.utilities.callables import ParameterSchema, parameter_schema
 
 from a2d.flows.policy import describe, export, policy_for
-from a2d.specs import ConfigError, PipelineConfig, ServePolicy, load_config
+from a2d.flows.stage import key_title
+from a2d.specs import STAGES, ConfigError, PipelineConfig, ServePolicy, load_config
 from a2d.tasks.concurrency import GPU_LIMIT, ensure_limit
 
 log = logging.getLogger("a2d.serve")
@@ -118,9 +120,10 @@ def default_parameters(flow: Flow, stage: str, config: PipelineConfig) -> dict[s
     """The flow's parameters filled from `config`, by the names every a2d flow uses.
 
     `config` is the whole config; `spec` the stage's own spec; `teacher_spec`, `store` and `opts`
-    the shared parts; a parameter named after a stage is that stage's planned `ArtifactRef`, and
-    any other parameter named after a config field (`train`, say) is that field. A required
-    parameter with nothing to fill it is an error here rather than a form nobody can submit.
+    the shared parts; a parameter named after a stage is that stage's planned artifact key, any
+    other parameter named after a config field (`train`, say) is that field, and the rest keep
+    the flow's defaults (so the form shows every field filled). A required parameter with nothing
+    to fill it is an error here rather than a form nobody can submit.
     """
     shared: dict[str, Any] = {
         "config": config,
@@ -138,15 +141,47 @@ def default_parameters(flow: Flow, stage: str, config: PipelineConfig) -> dict[s
             continue
         refs = planned_refs(config) if refs is None else refs
         if name in refs:
-            params[name] = refs[name]
+            params[name] = refs[name].key  # the form's field is the key (a2d.flows.stage.upstream)
         elif name in PipelineConfig.model_fields:
             params[name] = getattr(config, name)
-        elif p.default is inspect.Parameter.empty:
+        elif p.default is not inspect.Parameter.empty:
+            params[name] = p.default  # shown filled in the form: every field is the deployment's
+        else:
             raise TypeError(
                 f"flow {flow.name!r} parameter {name!r} has no default and no config field to fill it: "
                 "name it after a config field or an upstream stage"
             )
     return {k: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for k, v in params.items()}
+
+
+# What a person reads above each top-level field of a deployment's form (Prefect titles them by
+# the parameter's name); a stage's own settings are "<Stage> settings", an input its key's title.
+FORM_TITLES = {
+    "config": "Pipeline config",
+    "until": "Run until stage (inclusive)",
+    "teacher_spec": "Teacher model",
+    "train": "Checkpointing and tracking",
+    "store": "Store root",
+    "opts": "Run options",
+}
+
+
+def form_schema(flow: Flow, stage: str) -> ParameterSchema:
+    """The parameter schema a deployment's form is drawn from: Prefect's, with readable titles, and
+    every top-level field required. The deployment fills each from the served config (the server
+    merges those defaults under a run's own parameters before validating), so none is optional,
+    and the form shows no "(Optional)" on them. Nested fields keep their defaults: a run that
+    passes a whole `config` may leave fields out."""
+    schema = parameter_schema(flow)
+    schema.required = list(schema.properties)
+    for name, prop in schema.properties.items():
+        if name == "spec":
+            prop["title"] = f"{'VFM' if stage == 'vfm' else stage.capitalize()} settings"
+        elif name in FORM_TITLES:
+            prop["title"] = FORM_TITLES[name]
+        elif name in STAGES:
+            prop["title"] = key_title(name)
+    return schema
 
 
 def absolute_store(config: PipelineConfig) -> PipelineConfig:
@@ -168,18 +203,18 @@ def build_deployments(
     deployments = []
     for served in registry():
         flow = served.load()
-        deployments.append(
-            flow.to_deployment(
-                name=config.name,
-                parameters=default_parameters(flow, served.name, config),
-                cron=cron if served.name == "regenerate-data" else None,
-                tags=["a2d", "gpu" if served.gpu else "cpu"],
-                description=f"{flow.description or flow.name}\n\nDefaults: config {config.name!r}, store "
-                f"{config.store}. Artifact keys: `a2d ls --store {config.store}`.\n\n{allowed}",
-                enforce_parameter_schema=True,
-                entrypoint_type=EntrypointType.MODULE_PATH,
-            )
+        deployment = flow.to_deployment(
+            name=config.name,
+            parameters=default_parameters(flow, served.name, config),
+            cron=cron if served.name == "regenerate-data" else None,
+            tags=["a2d", "gpu" if served.gpu else "cpu"],
+            description=f"{flow.description or flow.name}\n\nDefaults: config {config.name!r}, store "
+            f"{config.store}. Artifact keys: `a2d ls --store {config.store}`.\n\n{allowed}",
+            enforce_parameter_schema=True,
+            entrypoint_type=EntrypointType.MODULE_PATH,
         )
+        deployment._parameter_openapi_schema = form_schema(flow, served.name)  # no public setter
+        deployments.append(deployment)
     return deployments
 
 

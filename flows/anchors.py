@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import ResponsesIn, TeacherIn, admit, run_sharded
 from a2d.specs import AnchorSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import anchors as stage
@@ -14,19 +13,20 @@ from a2d.tasks import anchors as stage
 
 @flow(name="anchors", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
 def anchors_flow(
-    responses: ArtifactRef,
-    teacher: ArtifactRef,
+    responses: ResponsesIn,
+    teacher: TeacherIn,
     spec: AnchorSpec = AnchorSpec(),
     teacher_spec: TeacherSpec = TeacherSpec(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """One teacher forward per sample; hooks stream each layer's tokens to the shard writer."""
-    refused = refusal(
-        store=store, teacher=teacher_spec, run=opts, refs=(responses, teacher)
-    )  # a served run: before any work
+    refs, refused = admit(
+        store, {"responses": responses, "teacher": teacher}, teacher=teacher_spec, run=opts
+    )  # before any work
     if refused is not None:
         return refused
+    responses, teacher = refs["responses"], refs["teacher"]
     st = ArtifactStore(store)
     stage.check_layers(spec, stage.teacher_layer_count(st, teacher))
     return run_sharded(

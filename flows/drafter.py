@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import AnchorsIn, ResponsesIn, TeacherIn, admit, run_sharded
 from a2d.specs import DrafterSpec, RunOptions, TrainOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import drafter as stage
@@ -14,20 +13,21 @@ from a2d.tasks import drafter as stage
 
 @flow(name="drafter", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def drafter_flow(
-    teacher: ArtifactRef,
-    responses: ArtifactRef,
-    anchors: ArtifactRef,
+    teacher: TeacherIn,
+    responses: ResponsesIn,
+    anchors: AnchorsIn,
     spec: DrafterSpec = DrafterSpec(),
     train: TrainOptions = TrainOptions(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Block drafter over the teacher's layer outputs (anchors with tokens: all); a DFlash checkpoint."""
-    refused = refusal(
-        store=store, run=opts, refs=(teacher, responses, anchors)
-    )  # a served run: before any work
+    refs, refused = admit(
+        store, {"teacher": teacher, "responses": responses, "anchors": anchors}, run=opts
+    )  # before any work
     if refused is not None:
         return refused
+    teacher, responses, anchors = refs["teacher"], refs["responses"], refs["anchors"]
     st = ArtifactStore(store)
     refs = {"teacher": teacher, "responses": responses, "anchors": anchors}
     return run_sharded(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import DrafterIn, HeadIn, ResponsesIn, TeacherIn, VFMIn, admit, run_sharded
 from a2d.specs import EvalSpec, RunOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import evaluate as stage
@@ -14,24 +13,21 @@ from a2d.tasks import evaluate as stage
 
 @flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def eval_flow(
-    teacher: ArtifactRef,
-    responses: ArtifactRef,
-    head: ArtifactRef,
-    vfm: ArtifactRef,
+    teacher: TeacherIn,
+    responses: ResponsesIn,
+    head: HeadIn,
+    vfm: VFMIn,
     spec: EvalSpec = EvalSpec(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
-    drafter: ArtifactRef | None = None,
+    drafter: DrafterIn = None,
 ) -> ArtifactRef:
     """Speed and quality of every decoder; metrics.json, a speed/quality plot and a Markdown report."""
-    upstream = (teacher, responses, head, vfm) + ((drafter,) if drafter is not None else ())
-    refused = refusal(store=store, run=opts, refs=upstream)  # a served run: before any work
+    given = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm, "drafter": drafter}
+    refs, refused = admit(store, given, run=opts)  # before any work; no drafter: not in refs
     if refused is not None:
         return refused
     st = ArtifactStore(store)
-    refs = {"teacher": teacher, "responses": responses, "head": head, "vfm": vfm}
-    if drafter is not None:
-        refs["drafter"] = drafter
     return run_sharded(
         st,
         stage.key_inputs(spec, {k: v.key for k, v in refs.items()}),

@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import AnchorsIn, ResponsesIn, TeacherIn, TrajectoriesIn, admit, run_sharded
 from a2d.specs import HeadSpec, RunOptions, TeacherSpec, TrainOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import head as stage
@@ -14,10 +13,10 @@ from a2d.tasks import head as stage
 
 @flow(name="head", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def head_flow(
-    teacher: ArtifactRef,
-    responses: ArtifactRef,
-    anchors: ArtifactRef,
-    trajectories: ArtifactRef,
+    teacher: TeacherIn,
+    responses: ResponsesIn,
+    anchors: AnchorsIn,
+    trajectories: TrajectoriesIn,
     spec: HeadSpec = HeadSpec(),
     teacher_spec: TeacherSpec = TeacherSpec(),
     train: TrainOptions = TrainOptions(),
@@ -25,11 +24,20 @@ def head_flow(
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Masked-diffusion + trajectory curriculum + anchor alignment; publishes a PEFT adapter."""
-    refused = refusal(
-        store=store, teacher=teacher_spec, run=opts, refs=(teacher, responses, anchors, trajectories)
-    )  # a served run: before any work
+    refs, refused = admit(
+        store,
+        {"teacher": teacher, "responses": responses, "anchors": anchors, "trajectories": trajectories},
+        teacher=teacher_spec,
+        run=opts,
+    )  # before any work
     if refused is not None:
         return refused
+    teacher, responses, anchors, trajectories = (
+        refs["teacher"],
+        refs["responses"],
+        refs["anchors"],
+        refs["trajectories"],
+    )
     st = ArtifactStore(store)
     return run_sharded(
         st,

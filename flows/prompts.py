@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import TeacherIn, admit, run_sharded
 from a2d.specs import PromptSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import prompts as stage
@@ -14,18 +13,19 @@ from a2d.tasks import prompts as stage
 
 @flow(name="prompts", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
 def prompts_flow(
-    teacher: ArtifactRef,
+    teacher: TeacherIn,
     spec: PromptSpec = PromptSpec(),
     teacher_spec: TeacherSpec = TeacherSpec(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Tokenise prompts with the teacher's tokenizer; every rejected row is counted by reason."""
-    refused = refusal(
-        store=store, teacher=teacher_spec, prompts=spec, run=opts, refs=(teacher,)
-    )  # a served run: before any work
+    refs, refused = admit(
+        store, {"teacher": teacher}, teacher=teacher_spec, prompts=spec, run=opts
+    )  # before any work
     if refused is not None:
         return refused
+    teacher = refs["teacher"]
     st = ArtifactStore(store)
     return run_sharded(
         st,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import PromptsIn, TeacherIn, admit, run_sharded
 from a2d.specs import ResponseSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import responses as stage
@@ -14,19 +13,20 @@ from a2d.tasks import responses as stage
 
 @flow(name="responses", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
 def responses_flow(
-    prompts: ArtifactRef,
-    teacher: ArtifactRef,
+    prompts: PromptsIn,
+    teacher: TeacherIn,
     spec: ResponseSpec = ResponseSpec(),
     teacher_spec: TeacherSpec = TeacherSpec(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Greedy (or seeded sampled) teacher generation with the KV cache, or the dataset's responses."""
-    refused = refusal(
-        store=store, teacher=teacher_spec, run=opts, refs=(prompts, teacher)
-    )  # a served run: before any work
+    refs, refused = admit(
+        store, {"prompts": prompts, "teacher": teacher}, teacher=teacher_spec, run=opts
+    )  # before any work
     if refused is not None:
         return refused
+    prompts, teacher = refs["prompts"], refs["teacher"]
     st = ArtifactStore(store)
     return run_sharded(
         st,

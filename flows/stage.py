@@ -8,16 +8,77 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import WithJsonSchema
 
 from a2d.specs import RunOptions
-from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer
+from a2d.stores.artifacts import KEY_PATTERN, ArtifactRef, ArtifactStore, Timer
 from a2d.stores.keys import KeyInputs
 from a2d.tasks.interrupt import forward_sigterm
 from a2d.tasks.report import publish_stage_table
 from a2d.tasks.runtime import logger
 
 ShardArgs = Callable[[ArtifactRef, str], dict[str, Any]]  # (artifact, shard) -> the shard task's kwargs
+
+
+def key_title(stage: str) -> str:
+    """The form title of a stage's artifact key: "Teacher artifact key", "VFM artifact key"."""
+    return f"{'VFM' if stage == 'vfm' else stage.capitalize()} artifact key"
+
+
+def _key_field(stage: str) -> dict[str, Any]:
+    return {
+        "type": "string",
+        "pattern": KEY_PATTERN.pattern,
+        "title": key_title(stage),
+        "description": f"Key of the complete {stage} artifact to read (16 hex digits): "
+        f"`a2d ls --stage {stage}` lists them",
+    }
+
+
+def upstream(stage: str, optional: bool = False) -> Any:
+    """The type of a stage flow's input artifact: an ArtifactRef where the pipeline calls the flow,
+    a key (one text field in the deployment's form) where a person starts it; `admit` resolves both."""
+    if optional:
+        schema = {"anyOf": [_key_field(stage), {"type": "null"}], "title": key_title(stage)}
+        return Annotated[ArtifactRef | str | None, WithJsonSchema(schema)]
+    return Annotated[ArtifactRef | str, WithJsonSchema(_key_field(stage))]
+
+
+def admit(
+    store: str, inputs: dict[str, ArtifactRef | str | None], **policy: Any
+) -> tuple[dict[str, ArtifactRef], Any]:
+    """A stage flow's first step, before any work: its input artifacts as refs, and a Failed state
+    (one line, no retry helps) when the serve policy refuses the run (`policy`: its parts, as
+    `a2d.flows.policy.refusal` takes them) or a key names no complete artifact of its stage in
+    `store`; the state is None when the run may go on. Inputs given as None are left out."""
+    from prefect.states import Failed
+
+    from a2d.flows.policy import refusal
+
+    given = {stage: v for stage, v in inputs.items() if v is not None}
+    refused = refusal(
+        store=store, refs=tuple(v for v in given.values() if isinstance(v, ArtifactRef)), **policy
+    )
+    if refused is not None:
+        return {}, refused
+    st = ArtifactStore(store)
+    refs, problems = {}, []
+    for stage, value in given.items():
+        if isinstance(value, ArtifactRef):
+            refs[stage] = value
+        elif not KEY_PATTERN.fullmatch(value):
+            problems.append(f"{stage} {value!r} is not an artifact key (16 hex digits)")
+        elif not st.is_complete(ref := st.ref(stage, value)):
+            problems.append(f"no complete {stage} artifact {value} in {st.root.uri}")
+        else:
+            refs[stage] = ref
+    if not problems:
+        return refs, None
+    message = "; ".join(problems) + f": `a2d ls --store {st.root.uri}` lists the artifacts there"
+    logger().error(message)
+    return refs, Failed(message=message)
 
 
 def _run_on_dask(shard_task: Any, kwargs: list[dict[str, Any]], workers: int, address: str | None) -> None:
@@ -81,11 +142,7 @@ def run_sharded(
             shards = plan["shards"] if plan else shards()
         shards = list(shards)
         store.write_plan(ref, inputs, shards)
-        pending = []
-        for shard in shards:
-            if store.finished_shard(ref, shard, verify=opts.verify_reuse) is None:
-                store.discard_shard(ref, shard)
-                pending.append(shard)
+        pending = store.pending_shards(ref, shards, verify=opts.verify_reuse)
         log.info(
             "%s %s: %d of %d shards already finished, running %d",
             ref.stage,
@@ -112,7 +169,18 @@ def run_sharded(
         markers = {s: store.marker(ref, s) for s in shards}
         stage_metrics = metrics(markers) if metrics else {}
         stage_metrics["seconds"] = round(timer.seconds, 3)
-        store.commit(ref, stage_metrics)
+        store.commit(ref, stage_metrics, markers)
         log.info("%s %s: committed %s", ref.stage, ref.key, ref.uri)
         publish_stage_table(store, ref, seconds=timer.seconds, reused=False)
         return ref
+
+
+# The input artifacts of the stage flows, by stage (a form field each: the key).
+TeacherIn = upstream("teacher")
+PromptsIn = upstream("prompts")
+ResponsesIn = upstream("responses")
+AnchorsIn = upstream("anchors")
+TrajectoriesIn = upstream("trajectories")
+HeadIn = upstream("head")
+VFMIn = upstream("vfm")
+DrafterIn = upstream("drafter", optional=True)

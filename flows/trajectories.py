@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import AnchorsIn, ResponsesIn, admit, run_sharded
 from a2d.specs import RunOptions, TrajectorySpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import trajectories as stage
@@ -14,16 +13,17 @@ from a2d.tasks import trajectories as stage
 
 @flow(name="trajectories", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
 def trajectories_flow(
-    responses: ArtifactRef,
-    anchors: ArtifactRef,
+    responses: ResponsesIn,
+    anchors: AnchorsIn,
     spec: TrajectorySpec = TrajectorySpec(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """One record per sample: the step at which each response position is committed."""
-    refused = refusal(store=store, run=opts, refs=(responses, anchors))  # a served run: before any work
+    refs, refused = admit(store, {"responses": responses, "anchors": anchors}, run=opts)  # before any work
     if refused is not None:
         return refused
+    responses, anchors = refs["responses"], refs["anchors"]
     st = ArtifactStore(store)
     return run_sharded(
         st,

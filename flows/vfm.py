@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from a2d.flows.policy import refusal
-from a2d.flows.stage import run_sharded
+from a2d.flows.stage import HeadIn, ResponsesIn, admit, run_sharded
 from a2d.specs import RunOptions, TrainOptions, VFMSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import vfm as stage
@@ -14,17 +13,18 @@ from a2d.tasks import vfm as stage
 
 @flow(name="vfm", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def vfm_flow(
-    head: ArtifactRef,
-    responses: ArtifactRef,
+    head: HeadIn,
+    responses: ResponsesIn,
     spec: VFMSpec = VFMSpec(),
     train: TrainOptions = TrainOptions(),
     store: str = "./a2d-store",
     opts: RunOptions = RunOptions(),
 ) -> ArtifactRef:
     """Noise adapter q_φ(z | prompt) trained so the frozen student decodes the teacher's response in one step."""
-    refused = refusal(store=store, run=opts, refs=(head, responses))  # a served run: before any work
+    refs, refused = admit(store, {"head": head, "responses": responses}, run=opts)  # before any work
     if refused is not None:
         return refused
+    head, responses = refs["head"], refs["responses"]
     st = ArtifactStore(store)
     return run_sharded(
         st,

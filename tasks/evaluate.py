@@ -135,7 +135,12 @@ def run_lm_eval(
         model=model,
         tasks=list(spec.lm_eval_tasks),
         limit=spec.lm_eval_limit,
-        task_manager=TaskManager(include_path=str(TASKS_DIR), metadata={"path": str(heldout)}),
+        task_manager=TaskManager(
+            include_path=str(TASKS_DIR),
+            # lm-eval's own index of thousands of task files takes ~15 s to build: only when asked for
+            include_defaults=not set(spec.lm_eval_tasks) <= {p.stem for p in Path(TASKS_DIR).glob("*.yaml")},
+            metadata={"path": str(heldout)},
+        ),
         gen_kwargs=f"max_gen_toks={spec.max_new_tokens}",
         log_samples=False,
     )

@@ -29,9 +29,17 @@ from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools.validation import ValidationError, validate
 from prefect.utilities.templating import apply_values
 
-from a2d.deployments.serve import GPU_FLOWS, NO_SERVER, Served, build_deployments, planned_refs, registry
+from a2d.deployments.serve import (
+    GPU_FLOWS,
+    NO_SERVER,
+    Served,
+    build_deployments,
+    form_schema,
+    planned_refs,
+    registry,
+)
 from a2d.flows.cli import main
-from a2d.flows.pipeline import STEPS
+from a2d.flows.pipeline import STEPS, pipeline
 from a2d.specs import TeacherSpec
 from a2d.tasks.concurrency import ensure_limit, gpu_slot, limit_exists
 from tests.conftest import ROOT, tiny_config
@@ -95,10 +103,15 @@ def test_deployment_defaults_are_the_config(tmp_path):
     refs = planned_refs(config)
     for d in deployments.values():
         assert d.name == "unit" and d.enforce_parameter_schema
-        schema = parameter_schema(_served(d.flow_name).load())
-        validate(d.parameters, schema.model_dump(exclude_unset=True), raise_on_error=True)
+        schema = d._parameter_openapi_schema.model_dump(exclude_unset=True)  # what the server enforces
+        validate(d.parameters, schema, raise_on_error=True)
+        assert not any(p["title"] in ("spec", "opts", "teacher_spec") for p in schema["properties"].values())
     assert deployments["pipeline"].parameters["config"] == config.model_dump(mode="json")
-    assert deployments["prompts"].parameters["teacher"] == refs["teacher"].model_dump(mode="json")
+    # a stage's inputs are artifact keys: one text field each, filled with the config's planned key
+    assert deployments["prompts"].parameters["teacher"] == refs["teacher"].key
+    teacher_field = deployments["head"]._parameter_openapi_schema.properties["teacher"]
+    assert teacher_field["type"] == "string" and "a2d ls --stage teacher" in teacher_field["description"]
+    assert teacher_field["title"] == "Teacher artifact key"
     assert deployments["prompts"].parameters["spec"] == config.prompts.model_dump(mode="json")
     assert deployments["anchors"].parameters["opts"] == config.run.model_dump(mode="json")
     assert [s.schedule.cron for s in deployments["regenerate-data"].schedules] == ["0 3 * * *"]
@@ -106,6 +119,20 @@ def test_deployment_defaults_are_the_config(tmp_path):
     # A relative local store is pinned to where `a2d serve` was started.
     rel = {d.flow_name: d for d in build_deployments(tiny_config("rel-store"))}["pipeline"]
     assert rel.parameters["config"]["store"] == str(Path.cwd() / "rel-store")
+
+
+def test_a_stage_flow_started_with_a_key_reads_that_artifact_and_an_unknown_key_fails_in_one_line(tmp_path):
+    from a2d.flows.prompts import prompts_flow
+
+    config = tiny_config(str(tmp_path / "s"), "teacher.architecture=llama", "teacher.layers=2")
+    refs = pipeline(config, until="prompts")
+    args = dict(spec=config.prompts, teacher_spec=config.teacher, store=config.store, opts=config.run)
+    assert prompts_flow(teacher=refs["teacher"].key, **args) == refs["prompts"]  # the same artifact
+    state = prompts_flow(teacher="0123456789abcdef", **args, return_state=True)
+    assert state.is_failed() and "\n" not in state.message
+    assert "no complete teacher artifact 0123456789abcdef" in state.message and "a2d ls" in state.message
+    state = prompts_flow(teacher="teacher/zz", **args, return_state=True)
+    assert state.is_failed() and "is not an artifact key" in state.message
 
 
 def test_serve_without_api_url_says_how_to_start_a_server(capsys):
@@ -165,7 +192,7 @@ def test_k8s_job_template_is_accepted_and_asks_for_one_gpu():
 @pytest.mark.parametrize("served", registry(), ids=lambda s: s.name)
 def test_parameter_schema_snapshot(served):
     """The UI form of every deployment; regenerate with A2D_UPDATE_SNAPSHOTS=1 after a deliberate change."""
-    schema = parameter_schema(served.load()).model_dump(exclude_unset=True)
+    schema = form_schema(served.load(), served.name).model_dump(exclude_unset=True)
     text = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     path = SNAPSHOTS / f"params-{served.name}.json"
     if os.environ.get("A2D_UPDATE_SNAPSHOTS") == "1":
@@ -498,6 +525,18 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         finished = re.fullmatch(r"resumed \((\d+) of (\d+) shards already finished\)", resumed)
         assert finished and int(finished[1]) >= done_before and int(finished[2]) == shards, resumed
         assert len(list(markers.iterdir())) == shards
+
+        # A stage deployment takes its inputs as keys (the form's text fields): the responses stage
+        # started with the prompts key the first run built finds that artifact and reuses its own.
+        stage_run = run_deployment(
+            "responses/e2e", parameters={"prompts": prompts_key}, timeout=300, poll_interval=1
+        )
+        assert stage_run.state.is_completed(), stage_run.state
+        assert _tables(client, "a2d-responses")[-1] == {
+            **_tables(client, "a2d-responses")[0],
+            "reused": True,
+            "seconds": _tables(client, "a2d-responses")[-1]["seconds"],
+        }
 
 
 def _run_process(root: int, flow_run_id) -> int:

@@ -262,11 +262,10 @@ def test_a2d_generate_streams_counts_and_explains_its_errors(built, tmp_path, ca
 
 
 # -- lm-evaluation-harness ------------------------------------------------------------------------------------
-def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path):
+def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path, monkeypatch):
     """`lm_eval --model a2d` through lm-eval's own command line, on the rows the eval stage exported:
     the same generations, so its exact match is the eval stage's answer accuracy for that decoder."""
-    import subprocess
-    import sys
+    from lm_eval._cli import HarnessCLI
 
     from a2d.tasks.evaluate import TASKS_DIR
 
@@ -277,14 +276,18 @@ def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path):
     heldout = report / "heldout.jsonl"
     assert len(heldout.read_text().splitlines()) == doc["samples"]
     cli = [
-        sys.executable, "-m", "lm_eval", "run", "--model", "a2d",
+        "lm_eval", "run", "--model", "a2d",
         "--model_args", f"store={store},head={refs['head'].key},decoder=spec:head",
         "--tasks", "a2d_bundled", "--include_path", str(TASKS_DIR),
         "--metadata", json.dumps({"path": str(heldout)}), "--limit", "4",
         "--gen_kwargs", f"max_gen_toks={cfg.eval.max_new_tokens}",
         "--output_path", str(tmp_path / "out"), "--log_samples", "--device", "cpu",
     ]  # fmt: skip
-    subprocess.run(cli, check=True, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    # `lm_eval run …` as its console script runs it, in this process (a child re-imports torch)
+    monkeypatch.setattr("sys.argv", cli)
+    monkeypatch.chdir(tmp_path)
+    harness = HarnessCLI()
+    harness.execute(harness.parse_args())
     (result,) = (tmp_path / "out").rglob("results_*.json")
     scores = json.loads(result.read_text())
     assert (
@@ -400,7 +403,11 @@ def test_lm_eval_loglikelihood_is_the_base_model(built):
 def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
     store, cfg, refs = built
     with_tasks = cfg.model_copy(
-        update={"eval": cfg.eval.model_copy(update={"lm_eval_tasks": ("a2d_bundled",), "lm_eval_limit": 2})}
+        update={
+            "eval": cfg.eval.model_copy(
+                update={"lm_eval_tasks": ("a2d_bundled",), "lm_eval_limit": 2, "decoders": ("spec:head",)}
+            )
+        }
     )
     first = pipeline(with_tasks, until="eval")["eval"]
     assert first != refs["eval"]  # the tasks and the lm-eval version are in the key
