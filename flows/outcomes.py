@@ -32,10 +32,7 @@ class Outcome:
 
 def before(store: ArtifactStore, ref: ArtifactRef) -> tuple[bool, int]:
     """(complete, finished shards) of an artifact before its stage runs; (False, 0) where nothing is."""
-    try:
-        row = store.describe(ref)
-    except FileNotFoundError:
-        return False, 0
+    row = store.summary(ref)  # nothing there: not complete, no shard finished
     return bool(row["complete"]), int(row["shards_done"])
 
 
@@ -44,7 +41,7 @@ def observe(store: ArtifactStore, planned: ArtifactRef, run) -> tuple[ArtifactRe
     complete, done = before(store, planned)
     timer = Timer()
     ref = run()
-    row = store.describe(ref)
+    row = store.summary(ref)
     return ref, Outcome(
         ref.stage, ref.key, ref.uri, complete, done, row["shards_total"], timer.seconds, row["bytes"]
     )

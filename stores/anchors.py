@@ -111,19 +111,35 @@ class AnchorReader:
         self.meta: dict[str, Any] = manifest["metrics"]["anchor_attrs"]
         self.shard_attrs: dict[str, dict[str, Any]] = {s: m["attrs"] for s, m in manifest["shards"].items()}
         self.layers: list[int] = list(self.meta["layers"])
+        # Opened arrays and whole per-token columns, kept: on an object store every array opened
+        # is a read of its metadata and every slice a read of its chunk, per sample otherwise.
         self._groups: dict[str, zarr.Group] = {}
+        self._arrays: dict[tuple[str, str], zarr.Array] = {}
+        self._columns: dict[tuple[str, str], np.ndarray] = {}
         self._index: dict[str, _Where] = {}
         for shard in manifest["shards"]:
             with store.reading(ref, [shard]):
-                g = self._group(shard)
-                offsets = g["offsets"][...]
-                for i, sid in enumerate(g["sample_ids"][...].tolist()):
+                offsets = self._array(shard, "offsets")[...]
+                for i, sid in enumerate(self._array(shard, "sample_ids")[...].tolist()):
                     self._index[str(sid)] = _Where(shard, int(offsets[i]), int(offsets[i + 1]))
 
     def _group(self, shard: str) -> zarr.Group:
         if shard not in self._groups:
             self._groups[shard] = open_shard(self.loc, f"{shard}.zarr")
         return self._groups[shard]
+
+    def _array(self, shard: str, name: str) -> zarr.Array:
+        if (shard, name) not in self._arrays:
+            self._arrays[shard, name] = self._group(shard)[name]
+        return self._arrays[shard, name]
+
+    def _column(self, shard: str, name: str, where: _Where) -> np.ndarray:
+        """One sample's slice of a per-token column (positions, confidence, entropy: 2-4 bytes a
+        token), the shard's whole column read once."""
+        if (shard, name) not in self._columns:
+            with self.store.reading(self.ref, [shard]):
+                self._columns[shard, name] = self._array(shard, name)[...]
+        return self._columns[shard, name][where.start : where.end].copy()
 
     @property
     def sample_ids(self) -> list[str]:
@@ -168,18 +184,21 @@ class AnchorReader:
     def _decode(self, shard: str, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
         """float32 (rows, layers, hidden) of one shard; a damaged chunk is named, not a codec error."""
         with self.store.reading(self.ref, [shard]):
-            return self._decode_group(self._group(shard), rows, layer_pos)
+            return self._decode_arrays(shard, rows, layer_pos)
 
-    def _decode_group(self, g: zarr.Group, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+    def _decode_arrays(self, shard: str, rows: slice | np.ndarray, layer_pos: list[int]) -> torch.Tensor:
+        def array(name: str) -> zarr.Array:
+            return self._array(shard, name)
+
         if self.meta["dtype"] == "int8":
             block = Int8Block(
-                q=g["hidden"].get_orthogonal_selection((rows, layer_pos, slice(None))),
-                scale=g["scale"].get_orthogonal_selection((rows, layer_pos)),
-                outlier_idx=g["outlier_idx"][...][layer_pos],
-                outlier_bits=g["outlier_bits"].get_orthogonal_selection((rows, layer_pos, slice(None))),
+                q=array("hidden").get_orthogonal_selection((rows, layer_pos, slice(None))),
+                scale=array("scale").get_orthogonal_selection((rows, layer_pos)),
+                outlier_idx=array("outlier_idx")[...][layer_pos],
+                outlier_bits=array("outlier_bits").get_orthogonal_selection((rows, layer_pos, slice(None))),
             )
             return dequantize_int8(block)
-        bits = g["hidden"].get_orthogonal_selection((rows, layer_pos, slice(None)))
+        bits = array("hidden").get_orthogonal_selection((rows, layer_pos, slice(None)))
         return from_bf16_bits(bits).float()
 
     def get(self, sample_id: str, layer: int) -> torch.Tensor:
@@ -200,8 +219,7 @@ class AnchorReader:
         padding past the response, prompt tokens under `tokens: response`) are left out.
         """
         w = self._index[sample_id]
-        g = self._group(w.shard)
-        stored = g["positions"][w.start : w.end]
+        stored = self._column(w.shard, "positions", w)
         rows = np.flatnonzero(np.isin(stored, positions))
         return stored[rows], self._decode(w.shard, w.start + rows, self._layer_pos(layers))
 
@@ -223,9 +241,7 @@ class AnchorReader:
     def scalars(self, sample_id: str) -> dict[str, np.ndarray]:
         """positions, confidence and entropy of one sample's stored tokens."""
         w = self._index[sample_id]
-        with self.store.reading(self.ref, [w.shard]):
-            g = self._group(w.shard)
-            return {k: g[k][w.start : w.end] for k in ("positions", "confidence", "entropy")}
+        return {k: self._column(w.shard, k, w) for k in ("positions", "confidence", "entropy")}
 
     def batch(
         self, sample_ids: list[str], layers: list[int], token_fraction: float, rng: np.random.Generator
@@ -238,11 +254,10 @@ class AnchorReader:
             n = w.end - w.start
             k = max(1, int(round(token_fraction * n))) if n else 0
             rows = np.sort(rng.choice(n, size=k, replace=False)) if k else np.zeros(0, dtype=np.int64)
-            g = self._group(w.shard)
             out.append(
                 {
                     "sample_id": sid,
-                    "positions": g["positions"][w.start : w.end][rows],
+                    "positions": self._column(w.shard, "positions", w)[rows],
                     "hidden": self._decode(w.shard, w.start + rows, pos),  # (k, len(layers), H)
                 }
             )

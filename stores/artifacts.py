@@ -19,6 +19,7 @@ import contextlib
 import io
 import logging
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -103,8 +104,14 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def hash_file(fs: Any, path: str) -> str:
-    with fs.open(path, "rb") as f:
+SMALL_FILE = 16 << 20  # read whole in one request when hashing; larger files are streamed
+
+
+def hash_file(loc: Location, rel: str, size: int | None = None) -> str:
+    """sha256 of a stored file; with its `size` known (from a listing) a small one is one read."""
+    if size is not None and size <= SMALL_FILE:
+        return sha256_stream(io.BytesIO(loc.read_small(rel)))
+    with loc.fs.open(loc._p(rel), "rb") as f:
         return sha256_stream(f)
 
 
@@ -150,25 +157,27 @@ class ArtifactStore:
         manifest, damaged = loc.read_json_checked(MANIFEST)
         if damaged:
             log.warning("%s; demoting it to partial", damaged)
-            loc.remove(MANIFEST)
+            loc.remove_file(MANIFEST)
             return False
         if manifest is None:
             return False
-        bad = {s for s, m in manifest["shards"].items() if verify and self.check_shard(ref, m)}
-        if loc.exists(DAMAGED):  # a reader found these shards damaged (an unreadable note: all)
-            noted = loc.read_json_checked(DAMAGED)[0]
+        present = loc.files() if verify else None  # one listing: no request per file to see it is there
+        bad = {s for s, m in manifest["shards"].items() if verify and self.check_shard(ref, m, present)}
+        noted, unreadable = self._read_listed(loc, DAMAGED, present)
+        if noted is not None or unreadable:  # a reader found these shards damaged (an unreadable note: all)
             log.warning("%s: a reader found damage (%s); rebuilding", loc.uri, (noted or {}).get("problems"))
             bad |= (
                 set(noted.get("shards", [])) & set(manifest["shards"]) if noted else set(manifest["shards"])
             )
-            loc.remove(DAMAGED)
+            loc.remove_file(DAMAGED)
         if bad:
-            loc.remove(MANIFEST)
+            loc.remove_file(MANIFEST)
             for shard in sorted(bad):
                 self.discard_shard(ref, shard)
             return False
         for shard, recorded in manifest["shards"].items():
-            if self.marker(ref, shard) != recorded:  # lost, damaged or rewritten: the manifest wins
+            marker = self._read_listed(loc, f"{MARKERS}/{shard}.json", present)[0]
+            if marker != recorded:  # lost, damaged or rewritten: the manifest wins
                 log.warning(
                     "%s/%s/%s.json: missing or damaged; rewritten from manifest.json", loc.uri, MARKERS, shard
                 )
@@ -202,9 +211,28 @@ class ArtifactStore:
 
     def damaged_metadata(self, ref: ArtifactRef) -> list[str]:
         """A problem line for every metadata file (manifest, plan, markers) that exists but cannot be read."""
-        loc = self.loc(ref)
-        names = [MANIFEST, PLAN] + [f"{MARKERS}/{m}" for m in loc.listdir(MARKERS) if m.endswith(".json")]
-        return [p for p in (loc.read_json_checked(n)[1] for n in names) if p]
+        return _problems(self._metadata(self.loc(ref)))
+
+    @staticmethod
+    def _read_listed(
+        loc: Location, rel: str, present: Mapping[str, int] | None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """`read_json_checked`, skipped (no request) when a listing just taken shows `rel` is not there."""
+        if present is not None and rel not in present:
+            return None, None
+        return loc.read_json_checked(rel)
+
+    @staticmethod
+    def _metadata(
+        loc: Location, present: Mapping[str, int] | None = None
+    ) -> dict[str, tuple[dict[str, Any] | None, str | None]]:
+        """Every metadata file there is (manifest, plan, markers), each read once: {rel: (object,
+        problem)}, from one listing (`present`, else taken here)."""
+        present = loc.files() if present is None else present
+        names = [n for n in (MANIFEST, PLAN) if n in present] + sorted(
+            rel for rel in present if posixpath.dirname(rel) == MARKERS and rel.endswith(".json")
+        )
+        return {n: loc.read_json_checked(n) for n in names}
 
     def missing_files(self, ref: ArtifactRef, shards: list[str] | None = None) -> list[str]:
         """Files the manifest lists (for `shards`, default all) that are not there: a listing, no
@@ -328,26 +356,43 @@ class ArtifactStore:
         """The shard's marker; None when it is missing or damaged (the shard is then unfinished)."""
         return self.loc(ref).read_json_checked(f"{MARKERS}/{shard}.json")[0]
 
-    def finished_shard(self, ref: ArtifactRef, shard: str, verify: bool = True) -> dict[str, Any] | None:
-        """The shard's marker when it exists and (with `verify`) every file still matches its sha256."""
-        marker = self.marker(ref, shard)
-        if marker is None:
-            return None
-        if verify and self.check_shard(ref, marker):
-            return None
-        return marker
+    def check_shard(
+        self, ref: ArtifactRef, marker: dict[str, Any], present: Mapping[str, int] | None = None
+    ) -> list[str]:
+        """Problems with one shard's files: missing or checksum mismatch, each naming the file.
 
-    def check_shard(self, ref: ArtifactRef, marker: dict[str, Any]) -> list[str]:
-        """Problems with one shard's files: missing or checksum mismatch, each naming the file."""
+        `present` is a listing of the artifact (`Location.files`) taken by a caller that checks
+        many shards: it says what is there and each file's size, so each file costs one read."""
         loc = self.loc(ref)
         problems = []
         for rel, want in sorted(marker["files"].items()):
-            path = loc._p(rel)
-            if not loc.fs.exists(path):
+            if present is not None and rel not in present:
                 problems.append(f"{loc.uri}/{rel}: missing")
-            elif hash_file(loc.fs, path) != want:
+                continue
+            try:
+                got = hash_file(loc, rel, None if present is None else present[rel])
+            except FileNotFoundError:
+                problems.append(f"{loc.uri}/{rel}: missing")
+                continue
+            if got != want:
                 problems.append(f"{loc.uri}/{rel}: sha256 mismatch (shard {marker['shard']})")
         return problems
+
+    def pending_shards(self, ref: ArtifactRef, shards: list[str], verify: bool = True) -> list[str]:
+        """The shards of `shards` still to run: no readable marker, or (with `verify`) files that no
+        longer match it; a marker that does not hold is removed. One listing of the artifact (of its
+        markers without `verify`), then a read of each listed marker. Call under `lock(ref)`."""
+        loc = self.loc(ref)
+        present = loc.files() if verify else {f"{MARKERS}/{m}": 0 for m in loc.listdir(MARKERS)}
+        pending = []
+        for shard in shards:
+            rel = f"{MARKERS}/{shard}.json"
+            marker = self._read_listed(loc, rel, present)[0]
+            if marker is None or (verify and self.check_shard(ref, marker, present)):
+                if rel in present:
+                    self.discard_shard(ref, shard)
+                pending.append(shard)
+        return pending
 
     @contextlib.contextmanager
     def shard_output(self, ref: ArtifactRef, name: str) -> Iterator[Path]:
@@ -375,9 +420,13 @@ class ArtifactStore:
                         final.unlink()
                     final.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(target, final)
+                elif target.is_dir():
+                    loc.remove(name)  # files of an earlier attempt that this one does not overwrite
+                    local = sorted(p for p in target.rglob("*") if p.is_file())
+                    remote = [loc._p(f"{name}/{p.relative_to(target).as_posix()}") for p in local]
+                    loc.fs.put([str(p) for p in local], remote)  # named pairs: no lookups first
                 else:
-                    loc.remove(name)
-                    loc.fs.put(str(target), loc._p(name), recursive=target.is_dir())
+                    loc.fs.put([str(target)], [loc._p(name)])
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -388,7 +437,7 @@ class ArtifactStore:
         loc = self.loc(ref)
         path = f"{MARKERS}/{shard}.json"
         with self.writing(ref, path, f"shard {shard} was not marked finished (finished shards are kept)"):
-            sizes = {rel: loc.fs.size(loc._p(rel)) for rel in files}
+            sizes = loc.sizes(list(files))
             marker = {
                 "shard": shard,
                 "files": dict(sorted(files.items())),
@@ -401,17 +450,25 @@ class ArtifactStore:
         return marker
 
     def discard_shard(self, ref: ArtifactRef, shard: str) -> None:
-        self.loc(ref).remove(f"{MARKERS}/{shard}.json")
+        self.loc(ref).remove_file(f"{MARKERS}/{shard}.json")
 
     # -- commit ---------------------------------------------------------------------------------------
-    def commit(self, ref: ArtifactRef, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Write manifest.json last, from the plan and every shard marker; refuses if a shard is missing."""
+    def commit(
+        self,
+        ref: ArtifactRef,
+        metrics: Mapping[str, Any] | None = None,
+        markers: Mapping[str, dict[str, Any] | None] | None = None,
+    ) -> dict[str, Any]:
+        """Write manifest.json last, from the plan and every shard marker; refuses if a shard is missing.
+
+        `markers` are the shard markers as the caller just read them from the store (under the lock),
+        so they are not read again; shards it does not name are read here."""
         plan = self.plan(ref)
         if plan is None:
             raise RuntimeError(f"cannot commit {ref.stage}/{ref.key}: no plan was written")
         shards = {}
         for shard in plan["shards"]:
-            marker = self.marker(ref, shard)
+            marker = markers[shard] if markers is not None and shard in markers else self.marker(ref, shard)
             if marker is None:
                 raise RuntimeError(f"cannot commit {ref.stage}/{ref.key}: shard {shard} is not finished")
             shards[shard] = marker
@@ -488,24 +545,49 @@ class ArtifactStore:
             )
 
     def describe(self, ref: ArtifactRef) -> dict[str, Any]:
-        """One row of `a2d ls`: completeness, shards done/total, bytes, created."""
+        """One row of `a2d ls`: completeness, damaged metadata, shards done/total, bytes, created.
+
+        One listing of the artifact and one read of each metadata file (manifest, plan, markers)."""
         loc = self.loc(ref)
-        manifest, _ = loc.read_json_checked(MANIFEST)
+        present = loc.files()
+        metadata = self._metadata(loc, present)
+        return self._row(ref, present, metadata, damaged=_problems(metadata))
+
+    def summary(self, ref: ArtifactRef) -> dict[str, Any]:
+        """`describe` less its check of every marker (`damaged`): what a run's own summary shows, from
+        one listing and the manifest (the plan too while there is none)."""
+        loc = self.loc(ref)
+        present = loc.files()
+        metadata = {MANIFEST: self._read_listed(loc, MANIFEST, present)}
+        if metadata[MANIFEST][0] is None:
+            metadata[PLAN] = self._read_listed(loc, PLAN, present)
+        return self._row(ref, present, metadata)
+
+    @staticmethod
+    def _row(
+        ref: ArtifactRef,
+        present: Mapping[str, int],
+        metadata: Mapping[str, tuple[dict[str, Any] | None, str | None]],
+        damaged: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """The row `describe` (with `damaged`) and `summary` (without) return."""
+        manifest = metadata.get(MANIFEST, (None, None))[0]
         complete = manifest is not None
-        info = manifest if complete else (self.plan(ref) or {})
-        shards = list(info.get("shards", []))
-        done = len([m for m in loc.listdir(MARKERS) if m.endswith(".json") and SCRATCH_MARK not in m])
+        info = manifest if complete else (metadata.get(PLAN, (None, None))[0] or {})
+        markers = [
+            rel
+            for rel in present
+            if posixpath.dirname(rel) == MARKERS and rel.endswith(".json") and SCRATCH_MARK not in rel
+        ]
         size = sum(
-            v for k, v in loc.files().items() if not k.startswith((".", MARKERS)) and SCRATCH_MARK not in k
+            v for k, v in present.items() if not k.startswith((".", MARKERS)) and SCRATCH_MARK not in k
         )
-        return {
-            "stage": ref.stage,
-            "key": ref.key,
-            "uri": ref.uri,
-            "complete": complete,
-            "damaged": self.damaged_metadata(ref),
-            "shards_done": done,
-            "shards_total": len(shards),
+        row: dict[str, Any] = {"stage": ref.stage, "key": ref.key, "uri": ref.uri, "complete": complete}
+        if damaged is not None:
+            row["damaged"] = damaged
+        return row | {
+            "shards_done": len(markers),
+            "shards_total": len(info.get("shards", [])),
             "bytes": int(size),
             "rows": info.get("rows"),
             "tokens": info.get("tokens"),
@@ -516,26 +598,28 @@ class ArtifactStore:
     def verify(self, ref: ArtifactRef) -> list[str]:
         """Every problem with an artifact: partial, missing markers, missing or corrupted files."""
         loc = self.loc(ref)
-        info, damaged = loc.read_json_checked(MANIFEST)
-        problems = self.damaged_metadata(ref)
+        present = loc.files()
+        metadata = self._metadata(loc, present)
+        info, damaged = metadata.get(MANIFEST, (None, None))
+        problems = _problems(metadata)
         if info is None:
-            plan = self.plan(ref) or {"shards": []}
+            plan = metadata.get(PLAN, (None, None))[0] or {"shards": []}
             if not damaged:
                 problems.insert(0, f"{loc.uri}: partial (no manifest.json)")
             shards = plan["shards"]
         else:
             shards = list(info["shards"])
         for shard in shards:
-            marker = self.marker(ref, shard)
+            marker, marker_damaged = metadata.get(f"{MARKERS}/{shard}.json", (None, None))
             if marker is None:
-                if info is not None and loc.read_json_checked(f"{MARKERS}/{shard}.json")[1] is None:
+                if info is not None and marker_damaged is None:
                     problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: marker missing (a rerun rewrites it)")
                 if info is not None:
-                    problems.extend(self.check_shard(ref, info["shards"][shard]))
+                    problems.extend(self.check_shard(ref, info["shards"][shard], present))
                 continue
             if info is not None and info["shards"][shard]["sha256"] != marker["sha256"]:
                 problems.append(f"{loc.uri}/{MARKERS}/{shard}.json: disagrees with manifest.json")
-            problems.extend(self.check_shard(ref, marker))
+            problems.extend(self.check_shard(ref, marker, present))
         return problems
 
     def find(self, key_prefix: str) -> ArtifactRef:
@@ -559,15 +643,26 @@ class ArtifactStore:
             raise KeyError(f"key prefix {key_prefix!r} is ambiguous ({names}); give more characters")
         return hits[0]
 
+    def upstream(self, ref: ArtifactRef) -> dict[str, str]:
+        """{stage: key} of the artifacts `ref` was built from: from its manifest, else its plan."""
+        loc = self.loc(ref)
+        info = loc.read_json_checked(MANIFEST)[0] or loc.read_json_checked(PLAN)[0] or {}
+        return dict(info.get("upstream", {}))
+
     def lineage(self, ref: ArtifactRef) -> dict[str, list[str]]:
         """Upstream (from the manifest or plan) and downstream (found by scanning) as `stage/key`."""
-        up_keys = self.describe(ref)["upstream"]
-        upstream = [f"{stage}/{key}" for stage, key in sorted(up_keys.items())]
-        downstream = []
-        for other in self.iter_refs():
-            if ref.key in self.describe(other)["upstream"].values():
-                downstream.append(f"{other.stage}/{other.key}")
+        upstream = [f"{stage}/{key}" for stage, key in sorted(self.upstream(ref).items())]
+        downstream = [
+            f"{other.stage}/{other.key}"
+            for other in self.iter_refs()
+            if other != ref and ref.key in self.upstream(other).values()
+        ]
         return {"upstream": upstream, "downstream": sorted(downstream)}
+
+
+def _problems(metadata: Mapping[str, tuple[Any, str | None]]) -> list[str]:
+    """The problem lines of metadata files read by `ArtifactStore._metadata`, manifest and plan first."""
+    return [problem for _, problem in metadata.values() if problem]
 
 
 class Timer:

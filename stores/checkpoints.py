@@ -248,7 +248,7 @@ def mirror(ckpt: Path, remote: Location) -> None:
     again (a resumed run re-saving it) is replaced file by file before its state.json is rewritten.
     """
     target = remote.join(ckpt.name)
-    target.remove(STATE)
+    target.remove_file(STATE)
     for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != STATE):
         rel = path.relative_to(ckpt).as_posix()
         target.put_file(path, rel)

@@ -17,6 +17,10 @@ from typing import Any
 import fsspec
 
 SUPPORTED_PROTOCOLS = ("file", "memory", "s3", "gs", "gcs", "az", "abfs")
+IN_PROCESS = ("file", "memory")  # every call is cheap here; elsewhere each one is a request
+# Whole-object reads that skip s3fs's size lookup (a HEAD before each GET, only to decide whether
+# to download in parallel parts): for small objects (JSON metadata, zarr chunks of ~2 MiB).
+SINGLE_GET = {"s3": {"max_concurrency": 1}}
 
 
 def normalise_uri(uri: str) -> str:
@@ -113,14 +117,18 @@ class Location:
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self._p(rel))
 
+    def read_small(self, rel: str) -> bytes:
+        """Read a whole file the caller knows to be small (metadata, a chunk): one GET on S3."""
+        return self.fs.cat_file(self._p(rel), **SINGLE_GET.get(self.protocol, {}))
+
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
     def read_json_checked(self, rel: str) -> tuple[dict[str, Any] | None, str | None]:
         """(object, None) for a readable JSON object; (None, problem) when `rel` exists but is
-        truncated, not JSON or not an object; (None, None) when it does not exist."""
+        truncated, not JSON or not an object; (None, None) when it does not exist. One GET on S3."""
         try:
-            data = self.read_bytes(rel)
+            data = self.read_small(rel)
         except FileNotFoundError:
             return None, None
         try:
@@ -166,28 +174,49 @@ class Location:
         self.fs.get_file(self._p(rel), str(local))
 
     def listdir(self, rel: str = "") -> list[str]:
-        """Names (not paths) directly under `rel`; empty when it does not exist."""
-        p = self._p(rel)
-        if not self.fs.exists(p):
+        """Names (not paths) directly under `rel`; empty when it does not exist. One LIST on S3."""
+        try:
+            entries = self.fs.ls(self._p(rel), detail=False)
+        except FileNotFoundError:
             return []
-        return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(p, detail=False))
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     def files(self, rel: str = "") -> dict[str, int]:
-        """Every file below `rel` as {relative path: size}."""
+        """Every file below `rel` (or `rel` itself, as "") as {relative path: size}: one listing
+        (a LIST per 1000 objects on S3), with no per-file request."""
         base = self._p(rel).rstrip("/")
-        if not self.fs.exists(base):
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
             return {}
-        if self.fs.isfile(base):
-            return {"": self.fs.size(base)}
-        out = {}
-        for p, info in self.fs.find(base, detail=True).items():
-            out[posixpath.relpath(p, base)] = int(info.get("size") or 0)
-        return out
+        return {
+            "" if p.rstrip("/") == base else posixpath.relpath(p, base): int(info.get("size") or 0)
+            for p, info in found.items()
+        }
+
+    def sizes(self, rels: list[str]) -> dict[str, int]:
+        """The size of each file in `rels`: one listing per folder they lie in at the top (a zarr
+        group, a model folder), one lookup per file directly under this location."""
+        tops = sorted({rel.split("/", 1)[0] for rel in rels if "/" in rel})
+        listed = {f"{top}/{sub}": size for top in tops for sub, size in self.files(top).items()}
+        return {rel: listed[rel] if rel in listed else int(self.fs.size(self._p(rel))) for rel in rels}
 
     def remove(self, rel: str = "") -> None:
+        """Remove a file or a folder with everything below it; nothing when `rel` does not exist."""
         p = self._p(rel)
-        if self.fs.exists(p):
-            self.fs.rm(p, recursive=True)
+        if self.protocol in IN_PROCESS:
+            if self.fs.exists(p):
+                self.fs.rm(p, recursive=True)
+            return
+        # Object stores have no folders: list what is there once and delete those objects in bulk.
+        found = list(self.fs.find(p))
+        if found:
+            self.fs.rm(found)
+
+    def remove_file(self, rel: str) -> None:
+        """Remove one file (a marker, a manifest); nothing when it does not exist. One DELETE on S3."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._p(rel))
 
     def zarr_store(self, rel: str = "", read_only: bool = True) -> Any:
         """A zarr v3 store for the folder `rel` below this location."""
@@ -195,10 +224,9 @@ class Location:
 
         if self.is_local:
             return zarr.storage.LocalStore(self._p(rel), read_only=read_only)
+        options = {**self.storage_options, **(SINGLE_GET.get(self.protocol, {}) if read_only else {})}
         return zarr.storage.FsspecStore.from_url(
-            f"{self.protocol}://{self._p(rel)}",
-            storage_options=self.storage_options or None,
-            read_only=read_only,
+            f"{self.protocol}://{self._p(rel)}", storage_options=options or None, read_only=read_only
         )
 
     def local_path(self) -> Path:
