@@ -8,7 +8,7 @@ demo: setup
 	.venv/bin/a2d run configs/demo.yaml
 
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .

@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from a2d.flows.pipeline import pipeline
 
         refs = pipeline(config, until)
-    rows = [store.describe(r) | {"size": _human(store.describe(r)["bytes"])} for r in refs.values()]
+    rows = [row | {"size": _human(row["bytes"])} for row in map(store.describe, refs.values())]
     print(_table(rows, ["stage", "key", "complete", "rows", "tokens", "size"]))
     print(f"done in {time.perf_counter() - start:.1f} s; store {store.root.uri}")
     if "eval" in refs:

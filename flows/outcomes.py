@@ -10,7 +10,8 @@ from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer
 @dataclass(frozen=True)
 class Outcome:
     """One stage: reused when its artifact was complete before the stage ran; resumed when some of its
-    shards were already finished (`done_before` of `shards`)."""
+    shards were already finished (`done_before` of `shards`) or, a training stage, from the
+    checkpoint of step `from_step`."""
 
     stage: str
     key: str
@@ -20,6 +21,7 @@ class Outcome:
     shards: int
     seconds: float
     bytes: int
+    from_step: int = 0
 
     @property
     def outcome(self) -> str:
@@ -27,23 +29,35 @@ class Outcome:
             return "reused"
         if self.done_before:
             return f"resumed ({self.done_before} of {self.shards} shards already finished)"
+        if self.from_step:
+            return f"resumed from the checkpoint of step {self.from_step}"
         return "built"
 
 
-def before(store: ArtifactStore, ref: ArtifactRef) -> tuple[bool, int]:
-    """(complete, finished shards) of an artifact before its stage runs; (False, 0) where nothing is."""
+TRAINING = frozenset({"drafter", "head", "vfm"})  # stages that checkpoint inside their one shard
+
+
+def before(store: ArtifactStore, ref: ArtifactRef) -> tuple[bool, int, int]:
+    """(complete, finished shards, checkpoint step a training stage resumes from) of an artifact
+    before its stage runs; (False, 0, 0) where nothing is."""
     row = store.summary(ref)  # nothing there: not complete, no shard finished
-    return bool(row["complete"]), int(row["shards_done"])
+    step = 0
+    if not row["complete"] and ref.stage in TRAINING:
+        from a2d.stores.checkpoints import newest_step
+        from a2d.tasks.training import workdir
+
+        step = newest_step(store, ref, workdir(store, ref))
+    return bool(row["complete"]), int(row["shards_done"]), step
 
 
 def observe(store: ArtifactStore, planned: ArtifactRef, run) -> tuple[ArtifactRef, Outcome]:
     """Run a stage (`run()` returns its ref) and say what it did."""
-    complete, done = before(store, planned)
+    complete, done, step = before(store, planned)
     timer = Timer()
     ref = run()
     row = store.summary(ref)
     return ref, Outcome(
-        ref.stage, ref.key, ref.uri, complete, done, row["shards_total"], timer.seconds, row["bytes"]
+        ref.stage, ref.key, ref.uri, complete, done, row["shards_total"], timer.seconds, row["bytes"], step
     )
 
 
@@ -57,6 +71,19 @@ def table(outcomes: list[Outcome]) -> list[dict]:
             "seconds": round(o.seconds, 1),
             "size_mb": round(o.bytes / 2**20, 2),
             "uri": o.uri,
+            "artifact": stage_table_link(o.stage),
         }
         for o in outcomes
     ]
+
+
+def stage_table_link(stage: str) -> str:
+    """The stage's table artifact (its history across runs) in the Prefect UI, or its key where no
+    UI URL is known."""
+    from prefect.settings import PREFECT_UI_URL
+
+    from a2d.tasks.report import artifact_key
+
+    key = artifact_key("a2d", stage)
+    ui = PREFECT_UI_URL.value()
+    return f"{ui.rstrip('/')}/artifacts/key/{key}" if ui else key

@@ -241,6 +241,17 @@ def _remote_steps(remote: Location) -> list[str]:
     return [n for n in remote.listdir() if _STEP_DIR.match(n) and remote.exists(f"{n}/{STATE}")]
 
 
+def newest_step(store: ArtifactStore, ref: ArtifactRef, work: Path) -> int:
+    """The step a training stage would resume from: its newest checkpoint in `work/checkpoints` or
+    mirrored into the store (0: none, it starts over)."""
+    local = latest(work / "checkpoints")
+    steps = [step_of(local)] if local is not None else []
+    remote = remote_root(store, ref)
+    if remote is not None and remote.exists():
+        steps += [_step(n) for n in _remote_steps(remote)]
+    return max(steps, default=0)
+
+
 def mirror(ckpt: Path, remote: Location) -> None:
     """Upload a local checkpoint folder to `remote/<step-N>/`, state.json last.
 

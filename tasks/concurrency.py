@@ -9,6 +9,7 @@ something the computation depends on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,8 +23,22 @@ from a2d.tasks.runtime import in_prefect_run
 GPU_LIMIT = "gpu"
 
 # A lease is renewed while the slot is held; a long forward pass must not be killed because one
-# renewal call failed, so renewal failures are logged rather than raised.
-LEASE_SECONDS = 300.0
+# renewal call failed, so renewal failures are logged rather than raised. A run whose process is
+# killed cannot release its slot: the server takes it back when the lease runs out, so this is how
+# long the Retry of a crashed run (or any other GPU run) may wait for it. A2D_GPU_LEASE_S sets it.
+LEASE_VAR = "A2D_GPU_LEASE_S"
+LEASE_SECONDS = 60.0
+
+
+def lease_seconds() -> float:
+    raw = os.environ.get(LEASE_VAR)
+    try:
+        seconds = float(raw) if raw else LEASE_SECONDS
+    except ValueError:
+        raise ValueError(f"{LEASE_VAR}={raw!r} is not a number of seconds (e.g. 60)") from None
+    if seconds < 60:
+        raise ValueError(f"{LEASE_VAR}={raw} is under 60 s, the shortest lease a Prefect server grants")
+    return seconds
 
 
 def limit_exists(name: str = GPU_LIMIT) -> bool:
@@ -63,7 +78,7 @@ def gpu_slot(occupy: int = 1, name: str = GPU_LIMIT) -> Iterator[None]:
     with concurrency(
         name,
         occupy=occupy,
-        lease_duration=LEASE_SECONDS,
+        lease_duration=lease_seconds(),
         strict=True,
         raise_on_lease_renewal_failure=False,
     ):

@@ -19,6 +19,8 @@ os.environ["WANDB_MODE"] = "disabled"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 os.environ.setdefault("A2D_CACHE", os.path.join(_HOME, "a2d-cache"))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (and for the processes a test starts)
 
 import pytest  # noqa: E402
 

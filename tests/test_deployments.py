@@ -389,7 +389,10 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
     refs = planned_refs(config)
     prompts_key = refs["prompts"].key
     env = _child_env(
-        tmp_path / "serve-home", PREFECT_API_URL=prefect_server, PREFECT_RUNNER_POLL_FREQUENCY="1"
+        tmp_path / "serve-home",
+        PREFECT_API_URL=prefect_server,
+        PREFECT_RUNNER_POLL_FREQUENCY="1",
+        A2D_GPU_LEASE_S="60",  # the killed run's gpu slot comes back within a minute of the kill
     )
     log = tmp_path / "serve.log"
 
@@ -442,6 +445,8 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             (stage, refs[stage].key, "built") for stage in ("teacher", "prompts", "responses", "anchors")
         ]
         assert all(r["uri"] == refs[r["stage"]].uri and r["size_mb"] > 0 for r in summary)
+        ui = prefect_server.removesuffix("/api")
+        assert [r["artifact"] for r in summary] == [f"{ui}/artifacts/key/a2d-{r['stage']}" for r in summary]
 
         # Lose one shard's marker and the manifest: a new run through the API rebuilds only that shard.
         folder = store / "prompts" / prompts_key
@@ -510,7 +515,8 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         while not (markers.is_dir() and any(markers.iterdir())):
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.05)
-        os.kill(_run_process(serve.pid, flow_run.id), signal.SIGKILL)
+        for pid in _run_processes(serve.pid, flow_run.id):  # the run's process and any it started
+            os.kill(pid, signal.SIGKILL)
         done_before = len(list(markers.iterdir()))
         _wait_for_state(client, flow_run.id, "CRASHED", 60)
         shards = len(list((store / "prompts" / crash_refs["prompts"].key / "_markers").iterdir()))
@@ -519,7 +525,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         from prefect.states import AwaitingRetry
 
         client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
-        _wait_for_state(client, flow_run.id, "COMPLETED", 180)
+        _wait_for_state(client, flow_run.id, "COMPLETED", 300)
         summary = _tables(client, "a2d-pipeline", whole=True)[-1]
         resumed = {r["stage"]: r["outcome"] for r in summary}["responses"]
         finished = re.fullmatch(r"resumed \((\d+) of (\d+) shards already finished\)", resumed)
@@ -539,18 +545,20 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         }
 
 
-def _run_process(root: int, flow_run_id) -> int:
-    """The process under `root` that runs `flow_run_id` (the runner starts one per flow run)."""
-    pending = [root]
+def _run_processes(root: int, flow_run_id) -> list[int]:
+    """The processes under `root` that run `flow_run_id`: the one the runner started for it (it
+    carries the run's id in its environment) and every process below that one."""
+    found, pending = [], [root]
     while pending:
         pid = pending.pop()
         with suppress(OSError):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
-                return pid
+                found.append(pid)
             for task_dir in Path(f"/proc/{pid}/task").iterdir():
                 pending += [int(c) for c in (task_dir / "children").read_text().split()]
-    raise AssertionError(f"no process runs flow run {flow_run_id}")
+    assert found, f"no process runs flow run {flow_run_id}"
+    return found
 
 
 def _wait_for_state(client, flow_run_id, state: str, timeout: float) -> None:

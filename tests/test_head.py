@@ -472,7 +472,10 @@ def test_sigterm_to_a_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(
     assert json.loads((last / checkpoints.STATE).read_text())["world"] == processes
     assert not ArtifactStore(store).is_complete(head)
     if processes == 1:  # a 2-process resume is checked for exactness in test_scale
-        resumed = STEPS["head"].run(cfg, refs)
+        from a2d.flows.outcomes import observe
+
+        resumed, outcome = observe(ArtifactStore(store), head, lambda: STEPS["head"].run(cfg, refs))
+        assert outcome.outcome == f"resumed from the checkpoint of step {step}"  # the run's summary row
         history = ArtifactStore(store).manifest(resumed)["shards"]["adapter"]["history"]
         assert resumed == head and history[0]["step"] == step + 1 and history[-1]["step"] == 16
 
