@@ -143,6 +143,7 @@ def run_sharded(
         shards = list(shards)
         store.write_plan(ref, inputs, shards)
         pending = store.pending_shards(ref, shards, verify=opts.verify_reuse)
+        kept = len(shards) - len(pending)
         log.info(
             "%s %s: %d of %d shards already finished, running %d",
             ref.stage,
@@ -171,7 +172,7 @@ def run_sharded(
         stage_metrics["seconds"] = round(timer.seconds, 3)
         store.commit(ref, stage_metrics, markers)
         log.info("%s %s: committed %s", ref.stage, ref.key, ref.uri)
-        publish_stage_table(store, ref, seconds=timer.seconds, reused=False)
+        publish_stage_table(store, ref, seconds=timer.seconds, reused=False, resumed_shards=kept)
         return ref
 
 

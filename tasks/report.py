@@ -36,15 +36,19 @@ def stage_row(store: ArtifactStore, ref: ArtifactRef, seconds: float, reused: bo
     return row
 
 
-def publish_stage_table(store: ArtifactStore, ref: ArtifactRef, seconds: float, reused: bool) -> None:
-    """A table artifact (stable key per stage, so the UI shows history) and a lineage summary."""
+def publish_stage_table(
+    store: ArtifactStore, ref: ArtifactRef, seconds: float, reused: bool, resumed_shards: int = 0
+) -> None:
+    """A table artifact (stable key per stage, so the UI shows history) and a lineage summary;
+    `resumed_shards`: shards a killed or failed run had finished, kept rather than rebuilt."""
     if not in_prefect_run():
         return
-    row = stage_row(store, ref, seconds, reused)
+    row = stage_row(store, ref, seconds, reused) | {"resumed_shards": resumed_shards}
+    did = "reused" if reused else f"resumed, {resumed_shards} shards kept" if resumed_shards else "built"
     create_table_artifact(
         key=artifact_key("a2d", ref.stage),
         table=[row],
-        description=f"{ref.stage} artifact {ref.key} ({'reused' if reused else 'built'})",
+        description=f"{ref.stage} artifact {ref.key} ({did})",
     )
     lineage = store.lineage(ref)
     lines = [

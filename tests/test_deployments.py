@@ -461,6 +461,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             assert after[name] == before[name], f"{name} was rewritten"
         assert (folder / "manifest.json").is_file() and (folder / "_markers" / "part-00001.json").is_file()
         assert [r["reused"] for r in _tables(client, "a2d-prompts")] == [False, False]
+        assert [r["resumed_shards"] for r in _tables(client, "a2d-prompts")] == [0, 2]
         summary = _tables(client, "a2d-pipeline", whole=True)[-1]
         assert [r["outcome"] for r in summary] == [
             "reused",
@@ -531,6 +532,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         finished = re.fullmatch(r"resumed \((\d+) of (\d+) shards already finished\)", resumed)
         assert finished and int(finished[1]) >= done_before and int(finished[2]) == shards, resumed
         assert len(list(markers.iterdir())) == shards
+        assert _tables(client, "a2d-responses")[-1]["resumed_shards"] == int(finished[1])
 
         # A stage deployment takes its inputs as keys (the form's text fields): the responses stage
         # started with the prompts key the first run built finds that artifact and reuses its own.
