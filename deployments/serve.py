@@ -38,7 +38,7 @@ from prefect.types.entrypoint import EntrypointType
 from prefect.utilities.callables import ParameterSchema, parameter_schema
 
 from a2d.flows.policy import describe, export, policy_for
-from a2d.flows.stage import key_title
+from a2d.flows.stage import key_title, stage_title
 from a2d.specs import STAGES, ConfigError, PipelineConfig, ServePolicy, load_config
 from a2d.tasks.concurrency import GPU_LIMIT, ensure_limit
 
@@ -176,7 +176,7 @@ def form_schema(flow: Flow, stage: str) -> ParameterSchema:
     schema.required = list(schema.properties)
     for name, prop in schema.properties.items():
         if name == "spec":
-            prop["title"] = f"{'VFM' if stage == 'vfm' else stage.capitalize()} settings"
+            prop["title"] = f"{stage_title(stage)} settings"
         elif name in FORM_TITLES:
             prop["title"] = FORM_TITLES[name]
         elif name in STAGES:

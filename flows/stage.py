@@ -22,9 +22,14 @@ from a2d.tasks.runtime import logger
 ShardArgs = Callable[[ArtifactRef, str], dict[str, Any]]  # (artifact, shard) -> the shard task's kwargs
 
 
+def stage_title(stage: str) -> str:
+    """A stage's name as a form shows it: "Teacher", "VFM"."""
+    return "VFM" if stage == "vfm" else stage.capitalize()
+
+
 def key_title(stage: str) -> str:
     """The form title of a stage's artifact key: "Teacher artifact key", "VFM artifact key"."""
-    return f"{'VFM' if stage == 'vfm' else stage.capitalize()} artifact key"
+    return f"{stage_title(stage)} artifact key"
 
 
 def _key_field(stage: str) -> dict[str, Any]:
@@ -148,7 +153,7 @@ def run_sharded(
             "%s %s: %d of %d shards already finished, running %d",
             ref.stage,
             ref.key,
-            len(shards) - len(pending),
+            kept,
             len(shards),
             len(pending),
         )
