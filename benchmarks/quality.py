@@ -23,7 +23,7 @@ FIELDS = (
     "answer_accuracy",
     "repetition_rate",
     "mean_accepted",
-    "mismatches_vs_student_base",
+    "mismatches_vs_reference",
     "samples",
     "ci95",
 )

@@ -30,7 +30,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("95% CI", "ci95.answer_accuracy", "{:.2f}"),
     ("repetition", "repetition_rate", "{:.3f}"),
     ("accepted/fwd", "mean_accepted", "{:.2f}"),
-    ("≠ base", "mismatches_vs_student_base", "{:d}"),
+    ("≠ ref", "mismatches_vs_reference", "{:d}"),
     ("samples", "samples", "{:d}"),
 )
 

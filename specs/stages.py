@@ -402,6 +402,6 @@ class EvalSpec(Spec):
     )
     decoders: tuple[Annotated[str, Field(pattern=DECODER_NAME)], ...] | None = Field(
         None,
-        description="Run only these decoders (a2d.models.decoders names; ar:greedy and ar:student-base always run); "
+        description="Run only these decoders (a2d.models.decoders names; ar:greedy always runs, and ar:student-base when the base is not the teacher); "
         "unset = every decoder the fields above name",
     )

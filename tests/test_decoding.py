@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from a2d.models import canvas as canvas_module
+from a2d.models import cpu_kernels, fast_lora
 from a2d.models import decoders as registry
-from a2d.models import fast_lora
 from a2d.models.ar import ar_decode
 from a2d.models.block_decode import Decoded, threshold_decode
 from a2d.models.canvas import Canvas
@@ -102,10 +102,18 @@ class Scripted(Drafter):
 def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
     """Every registry decoder flagged lossless gives the base's greedy tokens, on both architectures
     (the hybrid too: a2d's own prompt lookup, where transformers refuses stateful models)."""
+    from types import SimpleNamespace
+
+    from a2d.models.teacher import load_teacher
+    from a2d.tasks.evaluate import base_is_teacher
+
     student = trained_like(small_teachers, arch)
     fast_lora.install(student.model, student.scope)
-    res = registry.Resources(student, EOS, 14)
-    lossless = ["ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
+    teacher, _ = load_teacher(small_teachers / arch, device="cpu")  # as the eval loads it: packed linears
+    # the eval checks an unquantized base against the teacher's ar:greedy instead of decoding it twice
+    assert base_is_teacher(SimpleNamespace(quantization=student.info.quantization), student, teacher)
+    res = registry.Resources(student, EOS, 14, teacher=teacher)
+    lossless = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
     assert all(registry.describe(n).lossless for n in lossless)
     repeating = [258, 300, 301, 302, 303, 10] * 3  # lookup finds matches here
     for prompt in (PROMPT[:3], repeating) if arch == "llama" else (repeating,):
@@ -188,6 +196,11 @@ def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch):
         trained = lm_head(student)(student_forward(student, ids, pad, open_))
         assert fast_lora.install(student.model, student.scope) == student.info.lora_modules
         lean = lm_head(student)(student_forward(student, ids, pad, open_))
+        groups = {m._a2d_group for m in student.model.modules() if getattr(m, "_a2d_group", None)}
+        if cpu_kernels.supported():  # on the CPU the deltas went in through the siblings' one product
+            fast = [g for g in groups if g.adapters and g.local.lora]
+            assert len(fast) == len(groups) if arch == "llama" else fast  # (qwen3_5: its reverse scans
+            # run the Gated DeltaNet projections on a flipped gate, where the wrappers add the delta)
         with student.base() as base:
             plain = base(ids).logits
     torch.testing.assert_close(lean, trained, atol=1e-5, rtol=0)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from a2d.models.capture import capture_layers
@@ -175,3 +176,58 @@ def test_packed_cpu_linears_compute_the_same_function_and_leave_training_alone()
         torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)
     layer(x).sum().backward()  # with grad: autograd's F.linear, gradients reach the weight
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_sibling_projections_run_as_one_product_in_any_order():
+    from torch import nn
+
+    from a2d.models import cpu_kernels
+
+    if not cpu_kernels.supported():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    torch.manual_seed(0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (
+        nn.Linear(64, 96),
+        nn.Linear(64, 32, bias=False),
+        nn.Linear(64, 32),
+    )
+    reference = {
+        n: (m.weight.clone(), None if m.bias is None else m.bias.clone()) for n, m in attn.named_children()
+    }
+    assert cpu_kernels.pack(attn) == 3
+    group = attn.q_proj._a2d_group
+    assert group is attn.k_proj._a2d_group is attn.v_proj._a2d_group and group.width == 160
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    x, other = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    with torch.no_grad():
+        try:
+            torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or real(*a)
+            # k before q, v on another input in between: each member gets its own function of its input
+            got = {"k": attn.k_proj(x), "v2": attn.v_proj(other), "q": attn.q_proj(x), "v": attn.v_proj(x)}
+        finally:
+            torch.ops.mkldnn._linear_pointwise = real
+        want = {
+            "k": F.linear(x, *reference["k_proj"]),
+            "v2": F.linear(other, *reference["v_proj"]),
+            "q": F.linear(x, *reference["q_proj"]),
+            "v": F.linear(x, *reference["v_proj"]),
+        }
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+        assert len(calls) == 3  # x, other, x again (the stash holds one input): not one per projection
+        attn.v_proj.weight.mul_(3.0)  # changed in place: the group's product is rebuilt
+        torch.testing.assert_close(
+            attn.v_proj(x),
+            F.linear(x, reference["v_proj"][0] * 3, reference["v_proj"][1]),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        one = x[:, :1]  # one row: the concatenated weight through F.linear
+        torch.testing.assert_close(
+            attn.q_proj(one), F.linear(one, *reference["q_proj"]), atol=1e-5, rtol=1e-5
+        )
+    out = attn.k_proj(x)  # with grad: each projection's own F.linear, gradients reach its weight
+    out.sum().backward()
+    assert attn.k_proj.weight.grad is not None and attn.q_proj.weight.grad is None

@@ -154,6 +154,9 @@ def test_eval_reports_every_decoder(built):
         "untrained:k1",
     ]
     s = doc["decoders"]
+    assert (
+        doc["reference"] == "ar:student-base"
+    )  # an NF4 base is not the teacher: its own decode is the reference
     assert s["ar:greedy"]["token_agreement"] == 1.0  # the eval's AR decode is the responses stage's
     for lossless in (
         "spec:head",
@@ -162,7 +165,7 @@ def test_eval_reports_every_decoder(built):
         "spec:vfm",
         "ar:prompt-lookup",
     ):  # token for token the student's base model
-        assert s[lossless]["mismatches_vs_student_base"] == 0
+        assert s[lossless]["mismatches_vs_reference"] == 0
         assert s[lossless]["outputs"] == s["ar:student-base"]["outputs"]
     # one verify forward per round; its tokens are the drafts that held plus the base's own next token
     assert s["spec:head"]["tpf"] == pytest.approx(s["spec:head"]["mean_accepted"] + 1)
@@ -401,12 +404,15 @@ def test_lm_eval_loglikelihood_is_the_base_model(built):
 
 
 def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
+    """Also the eval of an unquantized head (the demo's): its base is the teacher, so the teacher's
+    ar:greedy is the lossless reference and ar:student-base is not decoded a second time."""
     store, cfg, refs = built
     with_tasks = cfg.model_copy(
         update={
             "eval": cfg.eval.model_copy(
                 update={"lm_eval_tasks": ("a2d_bundled",), "lm_eval_limit": 2, "decoders": ("spec:head",)}
-            )
+            ),
+            "head": cfg.head.model_copy(update={"quantization": "none"}),
         }
     )
     first = pipeline(with_tasks, until="eval")["eval"]
@@ -416,6 +422,11 @@ def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
     stored = json.loads((report / "lm_eval.json").read_text())
     assert "a2d_bundled" in stored["results"]
     doc = json.loads((report / "metrics.json").read_text())
+    assert (
+        doc["reference"] == "ar:greedy" and "is the teacher" in doc["decoders"]["ar:student-base"]["skipped"]
+    )
+    assert doc["decoders"]["spec:head"]["mismatches_vs_reference"] == 0
+    assert "differ from ar:greedy's" in (report / "report.md").read_text()
     assert (
         set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"}
         and doc["lm_eval"]["model"]["a2d_decoder"] == "spec:head"
