@@ -3,7 +3,7 @@
     python benchmarks/decode.py [--config configs/demo.yaml] [--store ./a2d-store] [--samples N]
 
 Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`); uses its
-VFM too when there is one. On the held-out prompts it decodes with every decoder, interleaved prompt
+VFM and the drafter too when there are. On the held-out prompts it decodes with every decoder, interleaved prompt
 by prompt so machine load hits each alike, plus transformers' own greedy `generate` (the library
 baseline a2d's AR loop must match, on the model as transformers builds it: no packed oneDNN linears,
 `a2d.models.cpu_kernels`). Then it times single forwards: a speculative forward of n fed
@@ -30,6 +30,7 @@ DECODERS = [
     "spec:head",
     "spec:head+lookup",
     "spec:vfm",
+    "spec:drafter",
     "threshold:0.9",
 ]
 FED = (2, 4, 9, 17)  # tokens fed to one forward in the overhead measurement
@@ -114,7 +115,7 @@ def main() -> None:
     from a2d.models.generate import eos_ids
     from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
-    from a2d.tasks.students import load_flow_map, load_student, load_vfm
+    from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
     from benchmarks.common import built, write_result
 
     cfg, refs, store = built(args.config, args.store, "head")
@@ -137,12 +138,16 @@ def main() -> None:
     vfm = None
     if vfm_refs:
         vfm = (load_vfm(store, vfm_refs[0]), load_flow_map(store, vfm_refs[0], student))
+    drafter = None
+    if "drafter" in refs and store.is_complete(refs["drafter"]):
+        drafter = load_drafter(store, refs["drafter"], refs["teacher"])
     res = registry.Resources(
         student,
         eos,
         n,
         teacher=teacher,
         vfm=vfm,
+        drafter=drafter,
         pad_id=tok.pad_token_id,
         logit_alignment=dspec.logit_alignment,
     )
@@ -209,6 +214,7 @@ def main() -> None:
         {
             "config": Path(args.config).name,
             "head_key": refs["head"].key,
+            "drafter_key": refs["drafter"].key if drafter is not None else None,
             "samples": len(rows),
             "max_new_tokens": n,
             "decode_profile": registry.profile_for("cpu").__dict__,
