@@ -154,12 +154,12 @@ class Group:
         self.width = sum(self.sizes)
         self.local = threading.local()
         self.version: tuple[int, ...] | None = None
+        self.params = [p for b in bases for p in (b.weight, b.bias) if p is not None]
+        for a in adapters or ():  # the LoRA parameters themselves: an adapter load copies into them
+            self.params += [a._a2d_lora[0], a._a2d_lora[1]]
 
-    def _params(self) -> list[torch.Tensor]:
-        ps = [p for b in self.bases for p in (b.weight, b.bias) if p is not None]
-        for a in self.adapters or ():
-            ps += [a._a2d_lora[0], a._a2d_lora[1]]
-        return ps
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.params)
 
     def _build(self) -> None:
         with torch.no_grad():
@@ -187,7 +187,7 @@ class Group:
             self.weight = torch.cat(rows).contiguous()
             self.bias = bias
             self.packed = _pack(self.weight)
-        self.version = tuple(p._version for p in self._params())
+        self.version = self._versions()
 
     def _lora_ready(self, x: torch.Tensor) -> int | None:
         """The open window the delta goes into here, or None when the wrappers must add it."""
@@ -208,7 +208,7 @@ class Group:
         if kept is not None and local.x is x and index in kept:
             out = kept.pop(index)
             return out, local.lora
-        if self.version != tuple(p._version for p in self._params()):
+        if self.version != self._versions():
             self._build()
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
