@@ -16,6 +16,9 @@ alike. Writes benchmarks/results/drafting.json:
 - `drafter_cost_vs_base_forward`: mean seconds of one drafter forward ÷ mean seconds of one verify
   forward in the same decodes.
 - `*_speedup_vs_ar`: tokens/s ÷ ar:greedy's, with a 95 % bootstrap interval over prompts.
+- `tau_teacher_forced` / `tau_teacher_forced_decode_chain`: every held-out row's τ with the teacher's
+  own continuation (from the anchors), over every block start / over the starts a greedy decode meets
+  (each block where the last one stopped: right after a rejection, where drafting is hardest).
 - `training_seconds` and `tau_curve_teacher_forced`: from the drafter artifact: held-out τ with the
   teacher's own continuation at three training budgets (steps and seconds).
 """
@@ -143,6 +146,24 @@ def main() -> None:
                 held[k] += a > k
     drafter_seconds = sum(d.seconds for d in drafts)
     verify_seconds = sum(stats["spec:drafter"]["seconds"]) - drafter_seconds
+    # the same held-out rows with the teacher's own continuation: every block start, and the starts a
+    # greedy decode meets (right after its rejections), from the stored anchors
+    from a2d.stores.anchors import AnchorReader
+    from a2d.stores.readers import read_responses
+    from a2d.tasks.drafter import frozen_parts, load_sequences, teacher_forced
+
+    evals = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
+    seqs = load_sequences(
+        AnchorReader(store, refs["anchors"]), evals, list(drafter.config.target_layer_ids), torch.float32
+    )
+    forced = teacher_forced(
+        drafter,
+        frozen_parts(teacher, drafter.draft_vocab, "cpu"),
+        seqs,
+        block,
+        drafter.config.mask_token_id,
+        "cpu",
+    )
     manifest = store.manifest(refs["drafter"])
     marker = manifest["shards"]["drafter"]
     spec = manifest["spec"]
@@ -160,6 +181,9 @@ def main() -> None:
             "draft_vocab": None if drafter.draft_vocab is None else len(drafter.draft_vocab),
             "lossless_mismatches": mismatches,
             "tau": round(tokens / verifies, 4),
+            "tau_teacher_forced": forced["tau"],
+            "tau_teacher_forced_decode_chain": forced["tau_decode_chain"],
+            "teacher_forced_rows": len(seqs),
             "tpf_base_forwards": round(tokens / verifies, 4),
             "tpf_all_forwards": round(tokens / (verifies + drafter_forwards), 4),
             "acceptance_by_offset": [

@@ -240,17 +240,34 @@ def drafter_loss(drafter, frozen: Frozen, batch, weights: torch.Tensor) -> tuple
     return loss, acc
 
 
+def decode_chain(accepted_at: dict[int, int], first: int) -> list[int]:
+    """The accepted-draft counts of the blocks a greedy decode meets: the first block starts at
+    `first`; after n accepted drafts the verify's own token lands too, so the next starts n + 1 on."""
+    out, start = [], first
+    while start in accepted_at:
+        out.append(accepted_at[start])
+        start += accepted_at[start] + 1
+    return out
+
+
 @torch.no_grad()
 def teacher_forced(
     drafter, frozen: Frozen, seqs: list[Sequence], block: int, mask_id: int, device: str
 ) -> dict:
     """Held-out acceptance with the teacher's own continuation: from every block start, how many
-    leading drafts equal the teacher's tokens. τ = 1 + mean accepted (the verify's own token included)."""
+    leading drafts equal the teacher's tokens. τ = 1 + mean accepted (the verify's own token included).
+
+    `tau_decode_chain` is τ over the block starts a greedy decode meets: the first block starts at
+    the first response token, each next one where the last stopped (after n accepted drafts, at
+    start + n + 1). A decode's blocks start right after its rejections, where drafting is harder than
+    at a random position, so this is what a lossless decode's τ comes to, and it sits below `tau`."""
     accepted: list[int] = []
+    chain: list[int] = []
     by_offset = np.zeros(block - 1)
     reach = np.zeros(block - 1)
     for s in seqs:
         starts = s.starts
+        at: dict[int, int] = {}  # block start -> drafts accepted there
         for lo in range(0, len(starts), 64):
             chunk = torch.from_numpy(starts[lo : lo + 64])[None].to(device)
             ids = torch.full((1, chunk.shape[1], block), mask_id, dtype=torch.long, device=device)
@@ -271,12 +288,16 @@ def teacher_forced(
                 while n < len(truth) and drafts[j, n].item() == truth[n]:
                     n += 1
                 accepted.append(n)
+                at[st] = n
                 reach[: len(truth)] += 1
                 by_offset[:n] += 1
+        chain += decode_chain(at, s.prompt_len)
     mean = float(np.mean(accepted)) if accepted else 0.0
     return {
         "starts": len(accepted),
         "tau": round(1.0 + mean, 4),
+        "tau_decode_chain": round(1.0 + float(np.mean(chain)), 4) if chain else None,
+        "chain_starts": len(chain),
         "accept_by_offset": [
             round(float(a / r), 4) if r else None for a, r in zip(by_offset, reach, strict=True)
         ],
@@ -502,5 +523,6 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
         "final_loss": m["final_loss"],
         "train_seconds": m["train_seconds"],
         "heldout_tau_teacher_forced": curve[-1]["tau"] if curve else None,
+        "heldout_tau_decode_chain": curve[-1].get("tau_decode_chain") if curve else None,
         "tau_curve": [{"step": p["step"], "tau": p["tau"]} for p in curve],
     }

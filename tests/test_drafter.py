@@ -115,6 +115,15 @@ def test_a_decode_step_feeds_the_drafter_what_training_feeds_it(small_teachers, 
         torch.testing.assert_close(decoded[0], trained[0, m], atol=2e-5, rtol=1e-4)
 
 
+def test_the_decode_chain_starts_where_the_last_block_stopped():
+    from a2d.tasks.drafter import decode_chain
+
+    at = {5: 2, 6: 3, 7: 3, 8: 3, 9: 0, 12: 0, 13: 1, 14: 2}
+    assert decode_chain(at, 5) == [2, 3, 0, 1]  # 5 (+3) -> 8 (+4) -> 12 (+1) -> 13 (+2) -> 15: no block
+    assert decode_chain(at, 6) == [3]  # 6 -> 10: no block starts there (the response ended)
+    assert decode_chain({}, 0) == []
+
+
 def test_block_layout_and_weights():
     mask = block_mask(torch.tensor([[2, 4]]), torch.tensor([5]), 6, 2)  # (1, 4, 6 + 4)
     assert mask[0, :2, :6].tolist() == [[True, True, False, False, False, False]] * 2
