@@ -81,6 +81,7 @@ def pack(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
+        module.__dict__.pop("_a2d_fast", None)  # groups are made afresh below
         if type(module) is not nn.Linear or not _packable(module):
             continue
         module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
@@ -133,6 +134,9 @@ def _group(children: list[nn.Module]) -> None:
     group = Group(bases, children if all(adapted) else None)
     for i, b in enumerate(bases):
         b._a2d_group, b._a2d_index = group, i
+    if group.adapters:
+        for i, c in enumerate(children):
+            c._a2d_fast = (group, i)  # the lean LoRA forward's shortcut (a2d.models.fast_lora)
 
 
 class Group:
@@ -157,6 +161,9 @@ class Group:
         self.params = [p for b in bases for p in (b.weight, b.bias) if p is not None]
         for a in adapters or ():  # the LoRA parameters themselves: an adapter load copies into them
             self.params += [a._a2d_lora[0], a._a2d_lora[1]]
+        if adapters:
+            self.first, self.scope = adapters[0], adapters[0]._a2d_scope
+            self.dropout = any(a._a2d_lora[3] is not None for a in adapters)
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.params)
@@ -191,15 +198,14 @@ class Group:
 
     def _lora_ready(self, x: torch.Tensor) -> int | None:
         """The open window the delta goes into here, or None when the wrappers must add it."""
-        first = self.adapters[0]
-        scope = first._a2d_scope
+        scope = self.scope
         gate = scope.adapter
-        if gate is None or first.disable_adapters:
+        if gate is None or self.first._disable_adapters:
             return 0  # no open positions, or adapters off: the base alone
-        if not (scope.unit_window and gate is scope.forward_gate and x.dim() == 3 and x.shape[0] == 1):
+        if self.dropout or not (scope.unit_window and gate is scope.forward_gate and x.dim() == 3):
             return None
-        if any(a._a2d_lora[3] is not None for a in self.adapters):
-            return None  # dropout
+        if x.shape[0] != 1:
+            return None
         return min(scope.window, x.shape[-2])
 
     def output(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
