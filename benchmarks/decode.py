@@ -237,7 +237,7 @@ def main() -> None:
                 "a forward is every model call (verify, flow-map and drafter forwards); tokens are response tokens "
                 "incl. EOS; speed-ups are tokens/s ÷ ar:greedy (the teacher, KV cache) in this run; no_draft_share "
                 "is over verify forwards that could carry drafts (not a prompt's first forward, not a 1-token "
-                "budget); spec_forward_overhead[n] = median over 7 interleaved rounds of (median time of one "
+                f"budget); spec_forward_overhead[n] = median over {ROUNDS} interleaved rounds of (median time of one "
                 "speculative forward fed n tokens, its LM head over the verify rows and one run) ÷ (median time of a "
                 "bare forward of the base over n tokens on the same cache, logits for every row)"
             ),

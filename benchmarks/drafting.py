@@ -149,12 +149,10 @@ def main() -> None:
     # the same held-out rows with the teacher's own continuation: every block start, and the starts a
     # greedy decode meets (right after its rejections), from the stored anchors
     from a2d.stores.anchors import AnchorReader
-    from a2d.stores.readers import read_responses
     from a2d.tasks.drafter import frozen_parts, load_sequences, teacher_forced
 
-    evals = [r for r in read_responses(store, refs["responses"]).to_pylist() if r["split"] == "eval"]
     seqs = load_sequences(
-        AnchorReader(store, refs["anchors"]), evals, list(drafter.config.target_layer_ids), torch.float32
+        AnchorReader(store, refs["anchors"]), rows, list(drafter.config.target_layer_ids), torch.float32
     )
     forced = teacher_forced(
         drafter,

@@ -79,22 +79,23 @@ def pack(model: nn.Module) -> int:
     Packing again (after PEFT wrapped the projections, or installed the lean LoRA) regroups."""
     if not supported():
         return 0
-    count = 0
+    routed = []
     for module in model.modules():
         module.__dict__.pop("_a2d_fast", None)  # groups are made afresh below
         if type(module) is not nn.Linear or not _packable(module):
             continue
-        module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
-        module._a2d_group = None
+        module._a2d_packed, module._a2d_group = None, None
         module.forward = MethodType(_forward, module)
-        count += 1
+        routed.append(module)
     for parent in model.modules():
         for names in SIBLINGS:
-            found = [getattr(parent, n, None) for n in names]
-            present = [(n, m) for n, m in zip(names, found, strict=True) if m is not None]
-            if len(present) == len(names):
-                _group([m for _, m in present])
-    return count
+            children = [getattr(parent, n, None) for n in names]
+            if all(c is not None for c in children):
+                _group(children)
+    for module in routed:  # a grouped linear runs through its group's product: only the others pack
+        if module._a2d_group is None:
+            module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
+    return len(routed)
 
 
 # Projections that read the same input tensor, by the names transformers gives them (llama and its
@@ -122,7 +123,7 @@ def _adapted(child: nn.Module) -> bool:
 def _group(children: list[nn.Module]) -> None:
     """Make `children` (plain linears, or LoRA wrappers around them) one Group, when they can be."""
     bases = [getattr(c, "base_layer", c) for c in children]
-    if not all(type(b) is nn.Linear and _packable(b) and hasattr(b, "_a2d_packed") for b in bases):
+    if not all(type(b) is nn.Linear and "_a2d_group" in b.__dict__ for b in bases):  # routed by pack()
         return
     if len({b.in_features for b in bases}) != 1:
         return
@@ -191,9 +192,8 @@ class Group:
                 if bias is not None:
                     bias = torch.cat([bias, bias.new_zeros(self.rank)])
             self.splits = [*self.sizes, self.rank] if self.rank else list(self.sizes)
-            self.weight = torch.cat(rows).contiguous()
             self.bias = bias
-            self.packed = _pack(self.weight)
+            self.packed = _pack(torch.cat(rows).contiguous())
         self.version = self._versions()
 
     def _lora_ready(self, x: torch.Tensor) -> int | None:

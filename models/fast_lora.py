@@ -34,12 +34,12 @@ ADAPTER = "default"
 
 def _lean_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     fast = self.__dict__.get("_a2d_fast")  # (group, index) where cpu_kernels grouped this projection
-    base = self.base_layer
     if fast is not None and not args and not kwargs and cpu_kernels._plain(x):
         out, applied = fast[0].output(fast[1], x)  # siblings' product, A rows and delta included
         if applied:
             return out
     else:
+        base = self.base_layer
         plain = type(base) is nn.Linear and not args and not kwargs
         out = cpu_kernels.linear(base, x) if plain else base(x, *args, **kwargs)  # (B, T, out)
     gate = self._a2d_scope.adapter  # (B, T) or None
