@@ -21,12 +21,16 @@ forward plus one small product per group, not two per projection and the dispatc
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -167,7 +171,7 @@ class Group:
             self.dropout = any(a._a2d_lora[3] is not None for a in adapters)
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self.params)
+        return tuple(map(_VERSION, self.params))
 
     def _build(self) -> None:
         with torch.no_grad():
@@ -211,23 +215,28 @@ class Group:
     def output(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
         local = self.local
         kept = getattr(local, "kept", None)
-        if kept is not None and local.x is x and index in kept:
-            out = kept.pop(index)
-            return out, local.lora
-        if self.version != self._versions():
+        if kept and local.x is x:
+            out = kept.pop(index, None)
+            if out is not None:
+                return out, local.lora
+        if self.version != tuple(map(_VERSION, self.params)):
             self._build()
-        rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], ""
+        )
         lora = False
         if self.adapters:
             w = self._lora_ready(x)
             if w is not None:
                 lora = True
-                if w:
-                    tail = y[-w:]
-                    tail[:, : self.width].addmm_(tail[:, self.width :], self.blocks)
-        outs = y.view(*x.shape[:-1], y.shape[-1]).split(self.splits, -1)
+                if w:  # narrow, not indexing: this runs ~120 times per decode forward
+                    tail = y.narrow(0, y.shape[0] - w, w)
+                    tail.narrow(1, 0, self.width).addmm_(tail.narrow(1, self.width, self.rank), self.blocks)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        if len(self.sizes) == 1:  # a group of one (an adapted o/down projection): nothing to stash
+            local.lora = lora
+            return (y.narrow(-1, 0, self.width) if self.rank else y), lora
+        outs = y.split(self.splits, -1)
         local.x, local.lora = x, lora
         local.kept = {j: outs[j] for j in range(len(self.sizes)) if j != index}
         return outs[index], lora
