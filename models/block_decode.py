@@ -33,6 +33,7 @@ class Decoded:
     accepted: list[int] = field(default_factory=list)  # speculative: drafts that held, per verify forward
     drafted: list[int] = field(default_factory=list)  # speculative: drafts fed, per verify forward
     draftable: list[bool] = field(default_factory=list)  # speculative: could that forward have had drafts
+    reach: list[int] = field(default_factory=list)  # speculative: the deepest draft fed (a chain: drafted)
 
 
 OnStep = Callable[[list[int], list[int]], None]  # (response so far, positions this forward committed)

@@ -97,6 +97,7 @@ class Canvas:
         region: list[int] | torch.Tensor,
         branches: list[tuple[int, int]] | None = None,
         student: Student | None = None,
+        parents: list[int] | None = None,
     ) -> torch.Tensor:
         """Run pending + clean + region; hidden states (len(pending) + len(clean) + len(region), H).
 
@@ -108,6 +109,11 @@ class Canvas:
         Default: one run after every clean candidate, the decode state training trains on.
         `student` runs the forward instead of the canvas's own (a flow map with other adapter
         weights over the same base: the cache is the base's, so both read and extend it).
+        `parents` lays the clean candidates out as a tree (no open region): candidate i continues
+        candidate `parents[i]` (-1: the newest committed token), sits at the next position after it
+        and sees the committed tokens, its ancestors and itself. One forward verifies every path;
+        `keep_path` then keeps the accepted one. Attention-only models (a recurrent state has no
+        branches).
         """
         student = student or self.student
         pending = self.pending
@@ -115,7 +121,12 @@ class Canvas:
         n_region = region.shape[0] if embeds else len(region)
         fed_ids = pending + list(clean)
         context = self.tokens[: self.in_cache] if not self.cached else []
-        tree = self._tree(len(context) + len(fed_ids), len(clean), n_region, branches)
+        if parents is not None:
+            if n_region:
+                raise ValueError("a tree of clean candidates takes no open region")
+            tree = self._clean_tree(len(context) + len(fed_ids), parents)
+        else:
+            tree = self._tree(len(context) + len(fed_ids), len(clean), n_region, branches)
         ids = torch.tensor([context + fed_ids + ([] if embeds else list(region))], device=self.device)
         width = ids.shape[1] + (n_region if embeds else 0)
         pad = torch.ones((1, width), dtype=torch.long, device=self.device)
@@ -167,6 +178,44 @@ class Canvas:
             runs.append((col, n, 1 + attach))  # linear-attention state after the attach point
             col += n
         return Tree(allowed[None], positions[None], runs)
+
+    def _clean_tree(self, n_fed: int, parents: list[int]) -> Tree:
+        """Tree attention over clean candidates: each sees the fed prefix, its ancestors and itself."""
+        if self.student.hybrid:
+            raise ValueError("a tree of drafts needs an attention-only base (a recurrent state has no branches)")
+        first = n_fed - len(parents)  # column of the first candidate
+        allowed = torch.ones(n_fed, n_fed, device=self.device).tril().bool()
+        positions = torch.arange(n_fed, device=self.device)
+        allowed[first:, first:] = False
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
+            col = first + i
+            allowed[col, col] = True
+            if parent >= 0:
+                allowed[col] |= allowed[first + parent]
+                positions[col] = positions[first + parent] + 1
+            else:
+                positions[col] = first
+        return Tree(allowed[None], positions[None], [])
+
+    def keep_path(self, path: list[int]) -> None:
+        """After a tree forward: the cache keeps the fed pending tokens and the candidates on `path`
+        (indices into the clean candidates, root to leaf). A chain's prefix is `keep(len(path))`."""
+        if path == list(range(len(path))):
+            return self.keep(len(path))
+        n_pending, n_clean = self._fed
+        if self.student.hybrid or any(not 0 <= i < n_clean for i in path):
+            raise ValueError(f"keep path {path} of {n_clean} tree candidates on this base")
+        if self.cached:
+            start = self.in_cache + n_pending
+            rows = torch.tensor(list(range(start)) + [start + i for i in path], device=self.device)
+            for layer in self.cache.layers:
+                keys = getattr(layer, "keys", None)
+                if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+                    layer.keys = keys.index_select(2, rows)
+                    layer.values = layer.values.index_select(2, rows)
+        self.in_cache += n_pending + len(path)
 
     def keep(self, clean_kept: int) -> None:
         """After a forward: the cache keeps the fed pending tokens but the newest (clean_kept = -1),

@@ -64,11 +64,12 @@ class Profile:
     draft_len: int
     ngram: int = 3
     lookup_len: int = 4
+    tree_nodes: int = 0  # spec:drafter: drafts per verify as a tree (0: one chain of block - 1)
 
 
 PROFILES = {
-    "cpu": Profile(masks=2, draft_len=4, lookup_len=4),
-    "gpu": Profile(masks=16, draft_len=16, lookup_len=10),
+    "cpu": Profile(masks=2, draft_len=4, lookup_len=4, tree_nodes=10),
+    "gpu": Profile(masks=16, draft_len=16, lookup_len=10, tree_nodes=32),
 }
 
 
@@ -220,9 +221,9 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
     if name == "spec:model":
         return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len))
     if name == "spec:drafter":
-        block = res.drafter.config.block_size
+        nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
         return lambda p: speculative_decode(
-            s, p, n, eos, DFlashDraft(s, res.drafter), on_step=on_step, draft_len=block
+            s, p, n, eos, DFlashDraft(s, res.drafter, prof.tree_nodes), on_step=on_step, draft_len=nodes
         )
     if family == "threshold":
         return threshold(lambda: s, float(arg))

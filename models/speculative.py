@@ -32,6 +32,7 @@ Counts (`Decoded`): `forwards` is every model call (verify, flow-map and drafter
 from __future__ import annotations
 
 import contextlib
+import heapq
 import time
 
 import torch
@@ -47,10 +48,17 @@ Runs = list[tuple[int, int]]  # (attach, length) per open run, see Canvas.forwar
 class Proposal:
     """Drafts for the next verify forward (and the distributions they were drawn from, sampling)."""
 
-    def __init__(self, tokens: list[int] | None = None, q: torch.Tensor | None = None, landed=None):
+    def __init__(
+        self,
+        tokens: list[int] | None = None,
+        q: torch.Tensor | None = None,
+        landed=None,
+        parents: list[int] | None = None,
+    ):
         self.tokens = list(tokens or [])
         self.q = q  # (k, V) or None
         self.landed = list(landed or [])  # base tokens a drafter's own clean forward computed (exact)
+        self.parents = parents  # a tree: draft i continues draft parents[i] (-1: the newest token); None: a chain
 
 
 class Drafter:
@@ -71,8 +79,9 @@ class Drafter:
         """The open region fed after `n_drafts` drafts when `remaining` tokens may still land."""
         return [], None
 
-    def observe(self, committed: torch.Tensor) -> None:
-        """The base's final states (n, H) of the tokens the verify forward just committed to the cache."""
+    def observe(self, committed: torch.Tensor, rows: list[int]) -> None:
+        """The base's final states (n, H) of the tokens the verify forward just committed to the
+        cache, and which rows of that forward they were (pending tokens, then the accepted drafts)."""
 
     def propose(
         self, canvas: Canvas, accepted: int, region: torch.Tensor, remaining: int, sampling
@@ -215,7 +224,7 @@ class VFMDrafter(Drafter):
         self.length = min(block, adapter.config["max_len"])
         self.states: list[torch.Tensor] = []  # (n, H) committed states, in order
 
-    def observe(self, committed: torch.Tensor) -> None:
+    def observe(self, committed: torch.Tensor, rows: list[int]) -> None:
         self.states.append(committed)
 
     def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
@@ -242,18 +251,24 @@ class DFlashDraft(Drafter):
     the same forward) become its context; one drafter forward drafts a block from
     `[newest committed token, MASK x (L-1)]`.
 
+    With `nodes` > 0 (an attention-only base) the block's per-offset distributions propose a tree of
+    that many drafts instead of one chain: best-first over paths by the product of the drafter's
+    probabilities along them (its second guess at offset 1 may beat its first at offset 3), every
+    path verified by the same forward (tree attention), the accepted one kept in the cache.
+
     Only committed rows enter the drafter's context (keys/values per draft layer, appended after
     each verify), so a rejected draft leaves nothing to roll back there; the verifier's own cache
-    (attention truncated, recurrent state restored) is the canvas's. `seconds` is the time spent in
-    the drafter's own forwards (its cost next to the verify forwards').
+    (attention truncated or gathered, recurrent state restored) is the canvas's. `seconds` is the
+    time spent in the drafter's own forwards (its cost next to the verify forwards').
     """
 
-    def __init__(self, student: Student, drafter: torch.nn.Module):
+    def __init__(self, student: Student, drafter: torch.nn.Module, nodes: int = 0):
         cfg = drafter.config
         hidden = student.inner.get_input_embeddings().weight.shape[1]
         if cfg.hidden_size != hidden:
             raise ValueError(f"the drafter's hidden_size {cfg.hidden_size} is not the verifier's {hidden}")
         self.student, self.drafter = student, drafter
+        self.nodes = 0 if student.hybrid else nodes  # a recurrent state has no branches: a chain there
         self.layers = list(cfg.target_layer_ids)
         self.length = cfg.block_size
         self.embed = student.inner.get_input_embeddings()
@@ -275,10 +290,14 @@ class DFlashDraft(Drafter):
 
         return capture_layers(self.student.inner, self.layers, keep)
 
-    def observe(self, committed: torch.Tensor) -> None:
-        n = committed.shape[0]
+    def observe(self, committed: torch.Tensor, rows: list[int]) -> None:
+        n = len(rows)
         started = time.perf_counter()
-        features = torch.cat([self._fed[layer][:n] for layer in self.layers], -1)[None]  # (1, n, K*H)
+        chain = rows[-1] == n - 1  # the first n rows (no tree branch skipped)
+        index = None if chain else torch.tensor(rows, device=committed.device)
+        features = torch.cat(
+            [self._fed[layer][:n] if chain else self._fed[layer][index] for layer in self.layers], -1
+        )[None]  # (1, n, K*H)
         positions = torch.arange(self.context, self.context + n, device=features.device)[None]
         kv = self.drafter.context_kv(self.drafter.fuse(features), positions)
         if self._kv is None:
@@ -303,15 +322,59 @@ class DFlashDraft(Drafter):
         ids = torch.full((1, length), self.drafter.config.mask_token_id, device=self.head_weight.device)
         ids[0, 0] = canvas.tokens[-1]
         positions = torch.arange(self.context, self.context + length, device=ids.device)[None]
-        states = self.drafter(self.embed(ids), positions, self._kv)[0, 1:]  # (L - 1, H)
+        states = self.drafter(self.embed(ids), positions, self._kv)[0, 1:remaining]  # (D, H), D <= L - 1
         logits = torch.nn.functional.linear(
             states.to(self.head_weight.dtype), self.head_weight, self.head_bias
         )
-        best = logits.argmax(-1)
-        tokens = (best if self.vocab is None else self.vocab.to(best.device)[best]).tolist()[: remaining - 1]
+        if self.nodes > 0:
+            proposal = self._tree(logits)
+        else:
+            best = logits.argmax(-1)
+            proposal = Proposal((best if self.vocab is None else self.vocab.to(best.device)[best]).tolist())
         self.forwards += 1
         self.seconds += time.perf_counter() - started
-        return Proposal(tokens)
+        return proposal
+
+    def _tree(self, logits: torch.Tensor) -> Proposal:
+        """The `nodes` most probable paths' nodes (best-first, parents before children)."""
+        logp = torch.log_softmax(logits.float(), -1)  # (D, V')
+        top = logp.topk(min(self.nodes, logp.shape[-1]), -1)
+        score, rank = top.values.tolist(), top.indices
+        tokens_at = (rank if self.vocab is None else self.vocab.to(rank.device)[rank]).tolist()
+        depth, width = len(score), len(score[0])
+        # a node is (depth d, rank r at d, parent): its children are ranks 0.. at d + 1 under it;
+        # popping a node pushes its next sibling and its first child, so nodes come out best-first
+        heap = [(-score[0][0], 0, 0, -1)]
+        tokens: list[int] = []
+        parents: list[int] = []
+        while heap and len(tokens) < self.nodes:
+            neg, d, r, parent = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(tokens_at[d][r])
+            parents.append(parent)
+            base = neg + score[d][r]  # the parent's (negated) score
+            if r + 1 < width:
+                heapq.heappush(heap, (base - score[d][r + 1], d, r + 1, parent))
+            if d + 1 < depth:
+                heapq.heappush(heap, (neg - score[d + 1][0], d + 1, 0, node))
+        return Proposal(tokens, parents=parents)
+
+
+def accept_path(drafts: list[int], parents: list[int] | None, best: list[int]) -> list[int]:
+    """Greedy verification: the drafts (indices) on the path the base's argmax follows from the
+    newest token, root to leaf. `best[0]` is the base's next token after the newest committed token,
+    `best[i + 1]` after draft i; a chain's parents are [-1, 0, 1, ...]."""
+    path, row = [], 0  # row: the verify row whose argmax picks the next draft
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents if parents is not None else range(-1, len(drafts) - 1)):
+        children.setdefault(p, []).append(i)
+    at = -1
+    while True:
+        nxt = next((c for c in children.get(at, ()) if drafts[c] == best[row]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        at, row = nxt, nxt + 1
 
 
 @torch.no_grad()
@@ -355,6 +418,7 @@ def _decode_loop(
     steps: list[int] = []
     drafted: list[int] = []
     accepted: list[int] = []
+    reach: list[int] = []
     draftable: list[bool] = []
     proposal = drafter.start(canvas)
     while len(out) < max_new_tokens:
@@ -369,24 +433,30 @@ def _decode_loop(
             if stop or len(out) >= max_new_tokens:
                 break
         remaining = max_new_tokens - len(out)
-        drafts = proposal.tokens[: min(draft_len, remaining - 1)]
+        drafts, parents = proposal.tokens, proposal.parents
+        if parents is None:
+            drafts = drafts[: min(draft_len, remaining - 1)]
+        else:
+            drafts, parents = trim_tree(drafts, parents, remaining - 1, draft_len)
         region, runs = drafter.region(len(drafts), remaining)
-        hidden = canvas.forward(drafts, region, runs)
+        hidden = canvas.forward(drafts, region, runs, parents=parents)
         n_pending = hidden.shape[0] - len(drafts) - len(region)
         verify = head(hidden[n_pending - 1 : n_pending + len(drafts)]).float()  # (k + 1, V)
         if student.info.mask_is_new:
             verify[:, student.info.mask_id] = float("-inf")  # an added row the teacher never emits
         if sampling is None:
             best = verify.argmax(-1).tolist()
-            j = 0
-            while j < len(drafts) and drafts[j] == best[j]:
-                j += 1
-            new = drafts[:j] + [best[j]]
+            path = accept_path(drafts, parents, best)
+            new = [drafts[i] for i in path] + [best[path[-1] + 1 if path else 0]]
+        elif parents is not None:
+            raise ValueError("a tree of drafts is verified greedily: decode it with temperature 0")
         else:
             j, correction = speculative_accept(drafts, proposal.q, verify, temperature, generator)
-            new = drafts[:j] + [correction]
-        canvas.keep(j)
-        drafter.observe(hidden[: n_pending + j])
+            path, new = list(range(j)), drafts[:j] + [correction]
+        j = len(path)
+        canvas.keep_path(path)
+        rows = list(range(n_pending)) + [n_pending + i for i in path]
+        drafter.observe(hidden[: n_pending + j] if j == 0 or path[-1] == j - 1 else hidden[rows], rows)
         new, stop = cut_at_eos(new[:remaining], eos)
         canvas.commit(new)
         if on_step is not None:
@@ -394,6 +464,7 @@ def _decode_loop(
         out.extend(new)
         steps.extend([canvas.forwards + drafter.forwards] * len(new))
         drafted.append(len(drafts))
+        reach.append(tree_depth(parents) if parents is not None else len(drafts))
         accepted.append(j)
         draftable.append(len(drafted) > 1 and remaining > 1)  # not the prompt's forward nor a 1-token budget
         if stop or len(out) >= max_new_tokens:
@@ -401,7 +472,29 @@ def _decode_loop(
         proposal = drafter.propose(
             canvas, j, hidden[n_pending + len(drafts) :], max_new_tokens - len(out), sampling
         )
-    return Decoded(out, canvas.forwards + drafter.forwards, steps, accepted, drafted, draftable)
+    return Decoded(out, canvas.forwards + drafter.forwards, steps, accepted, drafted, draftable, reach)
+
+
+def trim_tree(
+    tokens: list[int], parents: list[int], max_depth: int, max_nodes: int
+) -> tuple[list[int], list[int]]:
+    """The first `max_nodes` nodes of a tree no deeper than `max_depth`, parents renumbered."""
+    depth, index, out_tokens, out_parents = [], {}, [], []
+    for i, (t, p) in enumerate(zip(tokens, parents, strict=True)):
+        depth.append(1 + (depth[p] if p >= 0 else 0))
+        if depth[i] <= max_depth and (p < 0 or p in index) and len(out_tokens) < max_nodes:
+            index[i] = len(out_tokens)
+            out_tokens.append(t)
+            out_parents.append(index[p] if p >= 0 else -1)
+    return out_tokens, out_parents
+
+
+def tree_depth(parents: list[int]) -> int:
+    """The deepest draft's depth (a root child: 1)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 + (depth[p] if p >= 0 else 0))
+    return max(depth, default=0)
 
 
 def speculative_accept(

@@ -18,7 +18,9 @@ from a2d.models.drafter import (
     position_weights,
     spread_layers,
 )
-from a2d.models.speculative import DFlashDraft, speculative_decode
+from a2d.models.canvas import Canvas
+from a2d.models.speculative import DFlashDraft, Drafter, Proposal, accept_path, speculative_decode
+from a2d.models.student import lm_head
 from tests.conftest import ARCHS, trained_like
 from tests.test_decoding import EOS, PROMPT, base_greedy
 
@@ -113,6 +115,79 @@ def test_a_decode_step_feeds_the_drafter_what_training_feeds_it(small_teachers, 
     assert len(seen) >= 3
     for m, (_, decoded) in enumerate(seen):  # every block is whole, the last ones too
         torch.testing.assert_close(decoded[0], trained[0, m], atol=2e-5, rtol=1e-4)
+
+
+class ScriptedTree(Drafter):
+    """A tree whose first branch is wrong and whose second holds the base's next two tokens (then a
+    wrong leaf under it): verifying it must keep the second branch's path, out of order in the fed rows."""
+
+    def __init__(self, prompt, truth):
+        self.prompt, self.truth = prompt, truth
+
+    def start(self, canvas):
+        return self.propose(canvas, 0, None, 99, None)
+
+    def propose(self, canvas, accepted, region, remaining, sampling):
+        t = self.truth[len(canvas.tokens) - len(self.prompt) :]
+        if len(t) < 3:
+            return Proposal()
+        wrong = lambda x: (x + 1) % 250  # noqa: E731
+        #          0 (wrong)  1 (holds) 2 (wrong under 0) 3 (holds, under 1) 4 (wrong, under 3)
+        return Proposal([wrong(t[0]), t[0], t[1], t[1], wrong(t[2])], parents=[-1, -1, 0, 1, 3])
+
+
+def test_a_tree_of_drafts_keeps_the_accepted_branch_in_the_cache(small_teachers):
+    """Tree verification on the attention-only base: the branch the base's argmax follows is kept
+    (fed rows 1 and 3 of 5), the cache gathers exactly those rows, and the decode stays the base's
+    greedy output token for token with two drafts per verify; the hybrid refuses a tree by name."""
+    student = trained_like(small_teachers, "llama")
+    truth = base_greedy(student, PROMPT, 16)
+    out = speculative_decode(student, PROMPT, 16, EOS, ScriptedTree(PROMPT, truth), draft_len=5)
+    assert out.tokens == truth
+    assert out.accepted[:4] == [2, 2, 2, 2] and out.drafted[:4] == [5] * 4 and out.reach[:4] == [3] * 4
+    assert out.forwards == 6  # 5 tree forwards land 3 tokens each, the 6th the last token
+
+    # the gathered cache is the cache of the accepted tokens alone: the next forward equals an uncached one
+    cached, fresh = Canvas(student, PROMPT, cached=True), Canvas(student, PROMPT, cached=False)
+    cached.forward([], [])
+    cached.keep(-1)
+    wrong = (truth[0] + 1) % 250
+    hidden = cached.forward([wrong, truth[0], 7, truth[1]], [], parents=[-1, -1, 0, 1])
+    best = lm_head(student)(hidden[-5:]).argmax(-1).tolist()
+    path = accept_path([wrong, truth[0], 7, truth[1]], [-1, -1, 0, 1], best)
+    assert path == [1, 3] and best[4] == truth[2]
+    cached.keep_path(path)
+    for c in (cached, fresh):
+        c.commit(truth[:3])
+    after = [c.forward([truth[3]], [])[-2:] for c in (cached, fresh)]  # the newest token and a candidate
+    torch.testing.assert_close(after[0], after[1], atol=1e-5, rtol=0)
+
+    hybrid = trained_like(small_teachers, "qwen3_5")
+    canvas = Canvas(hybrid, PROMPT, cached=True)
+    with pytest.raises(ValueError, match="attention-only base"):
+        canvas.forward([1, 2], [], parents=[-1, -1])
+
+
+def test_the_drafter_proposes_its_most_probable_paths_as_a_tree(small_teachers):
+    """Best-first over paths by the product of the drafter's per-offset probabilities: a second guess
+    at offset 1 comes before a first guess deep in the block when it is more probable, every parent
+    precedes its children, and the decode with that tree is the base's output."""
+    student = trained_like(small_teachers, "llama")
+    draft = DFlashDraft(student, tiny_drafter(student), nodes=4)
+    probs = torch.tensor([[0.55, 0.44, 0.009, 0.001], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    tree = draft._tree(probs.log())  # paths: 0.55, 0.44, 0.55*0.5, 0.44*0.5, then 0.55*0.3 and 0.55*0.5*0.5
+    assert tree.parents == [-1, -1, 0, 1]
+    assert tree.tokens == [0, 1, 0, 0]  # offset 1's first and second guesses, then offset 2's first under each
+    deep = draft._tree(torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.95, 0.05, 0.0, 0.0], [0.97, 0.03, 0.0, 0.0]]).log())
+    assert deep.parents == [-1, 0, 1, -1] and deep.tokens == [0, 0, 0, 1]  # a sure chain first
+    truth = base_greedy(student, PROMPT, 16)
+    for arch, nodes in (("llama", 6), ("qwen3_5", 6)):
+        s = trained_like(small_teachers, arch)
+        d = DFlashDraft(s, tiny_drafter(s), nodes=nodes)
+        out = speculative_decode(s, PROMPT, 16, EOS, d, draft_len=nodes)
+        assert out.tokens == base_greedy(s, PROMPT, 16)
+        assert max(out.drafted) == (6 if arch == "llama" else 3)  # the hybrid drafts its chain
+    assert truth
 
 
 def test_the_decode_chain_starts_where_the_last_block_stopped():
