@@ -182,7 +182,9 @@ class Canvas:
     def _clean_tree(self, n_fed: int, parents: list[int]) -> Tree:
         """Tree attention over clean candidates: each sees the fed prefix, its ancestors and itself."""
         if self.student.hybrid:
-            raise ValueError("a tree of drafts needs an attention-only base (a recurrent state has no branches)")
+            raise ValueError(
+                "a tree of drafts needs an attention-only base (a recurrent state has no branches)"
+            )
         first = n_fed - len(parents)  # column of the first candidate
         allowed = torch.ones(n_fed, n_fed, device=self.device).tril().bool()
         positions = torch.arange(n_fed, device=self.device)

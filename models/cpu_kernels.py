@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 _VERSION = operator.attrgetter("_version")
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from a2d.models.canvas import Canvas
 from a2d.models.capture import capture_layers
 from a2d.models.drafter import (
     DFlashDrafter,
@@ -18,7 +19,6 @@ from a2d.models.drafter import (
     position_weights,
     spread_layers,
 )
-from a2d.models.canvas import Canvas
 from a2d.models.speculative import DFlashDraft, Drafter, Proposal, accept_path, speculative_decode
 from a2d.models.student import lm_head
 from tests.conftest import ARCHS, trained_like
@@ -177,8 +177,15 @@ def test_the_drafter_proposes_its_most_probable_paths_as_a_tree(small_teachers):
     probs = torch.tensor([[0.55, 0.44, 0.009, 0.001], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
     tree = draft._tree(probs.log())  # paths: 0.55, 0.44, 0.55*0.5, 0.44*0.5, then 0.55*0.3 and 0.55*0.5*0.5
     assert tree.parents == [-1, -1, 0, 1]
-    assert tree.tokens == [0, 1, 0, 0]  # offset 1's first and second guesses, then offset 2's first under each
-    deep = draft._tree(torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.95, 0.05, 0.0, 0.0], [0.97, 0.03, 0.0, 0.0]]).log())
+    assert tree.tokens == [
+        0,
+        1,
+        0,
+        0,
+    ]  # offset 1's first and second guesses, then offset 2's first under each
+    deep = draft._tree(
+        torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.95, 0.05, 0.0, 0.0], [0.97, 0.03, 0.0, 0.0]]).log()
+    )
     assert deep.parents == [-1, 0, 1, -1] and deep.tokens == [0, 0, 0, 1]  # a sure chain first
     truth = base_greedy(student, PROMPT, 16)
     for arch, nodes in (("llama", 6), ("qwen3_5", 6)):
