@@ -1,14 +1,15 @@
-"""Inference linears on the CPU through oneDNN with pre-packed weights.
+"""Inference linears on the CPU: oneDNN with pre-packed weights, or MKL, whichever is faster here.
 
-On the CPU a decoding forward feeds a handful of rows (the newest token and a few drafts). MKL's
-general matrix product is poor at that size: on the 2-core AMD EPYC this project runs on, a
-576x1536 projection over 2 rows costs 2.1x one row and over 8 rows 2.3x, while a oneDNN inner
-product on a weight packed once costs 0.9x / 1.1x of one row (benchmarks/decode.py reports what a
-whole forward costs). One row too: at 2 threads oneDNN takes 78 us where MKL's matrix-vector path
-takes 159 us for a 3072x576 product, and 4.7 ms against 10.5 ms for the demo's 49k-row LM head, so
-AR decoding runs 18.4 tokens/s where it ran 13.3 (transformers' `generate`: 14.0). Anything with
-gradients (training), a non-fp32 weight or a non-CPU tensor keeps `F.linear`: the packed path is an
-inference-time kernel choice, the same function up to float rounding (checked when packing).
+On the CPU a decoding forward feeds a handful of rows (the newest token and a few drafts), and which
+kernel is faster at that size depends on the processor, the shape and the row count. On a 2-core
+AMD EPYC, MKL's matrix-vector path took 159 us for a 3072x576 product where oneDNN took 78 us, and
+over 2-8 rows MKL's general product cost 2.1-2.3x one row while oneDNN's packed inner product cost
+0.9-1.1x. On a 2-core Intel Xeon it is the other way round at one or two rows (576x960: MKL 22 us,
+oneDNN 47 us; 1536x576: 34 against 86 us) and oneDNN wins from four rows on (the 49k-row LM head
+over 9 rows: 6.8 ms against 16.3 ms). So the kernel is chosen per weight shape and row count by
+timing both once per process (`kernel_choice`; `A2D_CPU_LINEAR=packed|dense` forces one). Anything
+with gradients (training), a non-fp32 weight or a non-CPU tensor keeps `F.linear`: the packed path
+is an inference-time kernel choice, the same function up to float rounding (checked when packing).
 
 Sibling projections that read the same input (q/k/v, gate/up, a Gated DeltaNet layer's input
 projections) run as one product over their concatenated weights (`Group`): one kernel call where
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 import threading
+import time
 from types import MethodType
 
 import torch
@@ -50,24 +53,69 @@ def supported() -> bool:
         return False
 
 
+BUCKETS = (1, 2, 4, 8, 16)  # row counts a kernel choice is timed at; more rows take the last
+
+
+_BUCKET_OF = [0] + [next(i for i, b in enumerate(BUCKETS) if r <= b) for r in range(1, BUCKETS[-1] + 1)]
+
+
+def _bucket(rows: int) -> int:
+    return _BUCKET_OF[rows] if rows <= BUCKETS[-1] else len(BUCKETS) - 1
+
+
+def _median_us(fn, budget_s: float = 0.004) -> float:
+    fn()  # warm-up (and the first call's one-time work)
+    start = time.perf_counter()
+    fn()
+    reps = max(3, min(25, int(budget_s / max(time.perf_counter() - start, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2]
+
+
+@functools.cache
+def kernel_choice(in_features: int, out_features: int) -> tuple[bool, ...]:
+    """Per row bucket (`BUCKETS`), whether oneDNN's packed product beats `F.linear` for a weight of
+    this shape on this machine: both timed once per process on random data (a few ms a shape)."""
+    forced = os.environ.get("A2D_CPU_LINEAR", "auto")
+    if forced not in ("auto", "packed", "dense"):
+        raise ValueError(f"A2D_CPU_LINEAR={forced!r}: use auto, packed or dense")
+    if forced != "auto":
+        return (forced == "packed",) * len(BUCKETS)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen)
+    packed = _pack(w)
+    wins = []
+    with torch.no_grad():
+        for rows in BUCKETS:
+            x = torch.randn(rows, in_features, generator=gen)
+            one = _median_us(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            mkl = _median_us(lambda x=x: F.linear(x, w))
+            wins.append(one < mkl)
+    return tuple(wins)
+
+
 def _plain(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`: the packed kernel for several rows without grad, else `F.linear`."""
-    group = getattr(module, "_a2d_group", None)
-    if group is not None and _plain(x):
-        return group.output(module._a2d_index, x)[0]
-    packed = getattr(module, "_a2d_packed", None)
-    rows = x.numel() // max(x.shape[-1], 1)
-    if packed is None or rows < 1 or not _plain(x) or module.weight.dtype != torch.float32:
+    """`module(x)`: the packed kernel (alone or in its group's product) where it is the faster one
+    for this many rows and there is no grad, else `F.linear` (checked first: the one-row hot path)."""
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    if not rows or not module._a2d_wins[_bucket(rows)] or not _plain(x):
         return F.linear(x, module.weight, module.bias)
+    group = module._a2d_group
+    if group is not None:
+        return group.output(module._a2d_index, x)[0]
     if module._a2d_version != module.weight._version:  # the weight changed in place: pack it again
         module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
-        packed = module._a2d_packed
     out = torch.ops.mkldnn._linear_pointwise(
-        x.reshape(rows, x.shape[-1]), packed, module.bias, "none", [], ""
+        x.reshape(rows, width), module._a2d_packed, module.bias, "none", [], ""
     )
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -88,6 +136,7 @@ def pack(model: nn.Module) -> int:
         if type(module) is not nn.Linear or not _packable(module):
             continue
         module._a2d_packed, module._a2d_group = None, None
+        module._a2d_wins = (False,) * len(BUCKETS)  # set below, with the packed copy or the group
         module.forward = MethodType(_forward, module)
         routed.append(module)
     for parent in model.modules():
@@ -97,7 +146,10 @@ def pack(model: nn.Module) -> int:
                 _group(children)
     for module in routed:  # a grouped linear runs through its group's product: only the others pack
         if module._a2d_group is None:
-            module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
+            wins = kernel_choice(module.in_features, module.out_features)
+            if any(wins):  # MKL at every row count: no packed copy
+                module._a2d_packed, module._a2d_version = _pack(module.weight), module.weight._version
+                module._a2d_wins = wins
     return len(routed)
 
 
@@ -137,7 +189,7 @@ def _group(children: list[nn.Module]) -> None:
         return  # nothing to fuse
     group = Group(bases, children if all(adapted) else None)
     for i, b in enumerate(bases):
-        b._a2d_group, b._a2d_index = group, i
+        b._a2d_group, b._a2d_index, b._a2d_wins = group, i, group.wins
     if group.adapters:
         for i, c in enumerate(children):
             c._a2d_fast = (group, i)  # the lean LoRA forward's shortcut (a2d.models.fast_lora)
@@ -168,6 +220,8 @@ class Group:
         if adapters:
             self.first, self.scope = adapters[0], adapters[0]._a2d_scope
             self.dropout = any(a._a2d_lora[3] is not None for a in adapters)
+        rank = sum(a._a2d_lora[0].shape[0] for a in adapters or ())
+        self.wins = kernel_choice(bases[0].in_features, self.width + rank)  # per row bucket: packed?
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(map(_VERSION, self.params))
@@ -196,7 +250,7 @@ class Group:
                     bias = torch.cat([bias, bias.new_zeros(self.rank)])
             self.splits = [*self.sizes, self.rank] if self.rank else list(self.sizes)
             self.bias = bias
-            self.packed = _pack(torch.cat(rows).contiguous())
+            self.packed = _pack(torch.cat(rows).contiguous()) if any(self.wins) else None
         self.version = self._versions()
 
     def _lora_ready(self, x: torch.Tensor) -> int | None:
@@ -220,9 +274,11 @@ class Group:
                 return out, local.lora
         if self.version != tuple(map(_VERSION, self.params)):
             self._build()
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], ""
-        )
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.wins[_bucket(flat.shape[0])]:  # MKL at this row count: each member its own product
+            base = self.bases[index]
+            return F.linear(x, base.weight, base.bias), False
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         lora = False
         if self.adapters:
             w = self._lora_ready(x)

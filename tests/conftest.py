@@ -19,6 +19,9 @@ os.environ["WANDB_MODE"] = "disabled"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 os.environ.setdefault("A2D_CACHE", os.path.join(_HOME, "a2d-cache"))
+# The packed oneDNN path wherever it applies (not this machine's timed choice, which could leave the
+# packed path untested); test_drafter checks the per-row-count choice itself.
+os.environ.setdefault("A2D_CPU_LINEAR", "packed")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one thread each
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (and for the processes a test starts)
 

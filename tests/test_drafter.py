@@ -244,11 +244,26 @@ def test_steps_style_prompts_ask_for_the_reasoning():
         bundled.generate(3, 0, "essay")
 
 
-def test_packed_cpu_linears_compute_the_same_function_and_leave_training_alone():
+@pytest.fixture
+def forced_kernel(monkeypatch):
+    """Force the CPU kernel choice (`A2D_CPU_LINEAR`) instead of this machine's timing."""
+    from a2d.models import cpu_kernels
+
+    def force(kind: str) -> None:
+        monkeypatch.setenv("A2D_CPU_LINEAR", kind)
+        cpu_kernels.kernel_choice.cache_clear()
+
+    yield force
+    monkeypatch.delenv("A2D_CPU_LINEAR", raising=False)
+    cpu_kernels.kernel_choice.cache_clear()
+
+
+def test_packed_cpu_linears_compute_the_same_function_and_leave_training_alone(forced_kernel):
     from torch import nn
 
     from a2d.models import cpu_kernels
 
+    forced_kernel("packed")
     if not cpu_kernels.supported():
         pytest.skip("this torch build has no oneDNN packed linear")
     torch.manual_seed(0)
@@ -267,11 +282,12 @@ def test_packed_cpu_linears_compute_the_same_function_and_leave_training_alone()
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
-def test_sibling_projections_run_as_one_product_in_any_order():
+def test_sibling_projections_run_as_one_product_in_any_order(forced_kernel):
     from torch import nn
 
     from a2d.models import cpu_kernels
 
+    forced_kernel("packed")
     if not cpu_kernels.supported():
         pytest.skip("this torch build has no oneDNN packed linear")
     torch.manual_seed(0)
@@ -320,3 +336,35 @@ def test_sibling_projections_run_as_one_product_in_any_order():
     out = attn.k_proj(x)  # with grad: each projection's own F.linear, gradients reach its weight
     out.sum().backward()
     assert attn.k_proj.weight.grad is not None and attn.q_proj.weight.grad is None
+
+
+def test_the_cpu_kernel_is_chosen_per_shape_and_row_count(monkeypatch):
+    """Where MKL is the faster kernel for a row count, a packed linear (alone or grouped) calls
+    F.linear and no oneDNN product, with the same result; where oneDNN is, the packed product runs.
+    The choice is timed per shape (here faked: oneDNN wins from 4 rows on)."""
+    from torch import nn
+
+    from a2d.models import cpu_kernels
+
+    if not cpu_kernels.supported():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    monkeypatch.setattr(cpu_kernels, "kernel_choice", lambda i, o: (False, False, True, True, True))
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.gate_proj, block.up_proj, block.down_proj = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(96, 64)
+    want = {n: (m.weight.clone(), m.bias.clone()) for n, m in block.named_children()}
+    assert cpu_kernels.pack(block) == 3
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with torch.no_grad():
+        try:
+            torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+            for rows in (1, 2, 4, 9):
+                x = torch.randn(1, rows, 64)
+                for name in ("gate_proj", "up_proj"):
+                    torch.testing.assert_close(getattr(block, name)(x), F.linear(x, *want[name]))
+                h = torch.randn(1, rows, 96)
+                torch.testing.assert_close(block.down_proj(h), F.linear(h, *want["down_proj"]))
+        finally:
+            torch.ops.mkldnn._linear_pointwise = real
+    assert calls == [4, 4, 9, 9]  # gate/up as one product, and down, at 4 and 9 rows only
