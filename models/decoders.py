@@ -45,7 +45,7 @@ from a2d.models.speculative import (
     VFMDrafter,
     speculative_decode,
 )
-from a2d.models.student import Student
+from a2d.models.student import Student, base_is, plain_view
 from a2d.models.vfm import vfm_generate
 
 Decoder = Callable[[list[int]], Decoded]  # prompt ids -> tokens and counts
@@ -184,9 +184,21 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
     prof = res.profile or profile_for(res.device)
     banned = s.info.mask_id if s.info.mask_is_new else None
 
-    def spec(drafter_factory) -> Decoder:
+    # drafters that need no adapter verify on the teacher itself where it is the student's base: the
+    # same tokens, without PEFT's wrapper around every projection (attention-only: a hybrid's rollback
+    # points come from the student's scan wrappers)
+    plain = res.teacher is not None and not s.hybrid and base_is(s, res.teacher)
+    verifier = plain_view(res.teacher, s) if plain else s
+
+    def spec(drafter_factory, student: Student = s) -> Decoder:
         return lambda p: speculative_decode(
-            s, p, n, eos, drafter_factory(), on_step=on_step, draft_len=max(prof.draft_len, prof.lookup_len)
+            student,
+            p,
+            n,
+            eos,
+            drafter_factory(),
+            on_step=on_step,
+            draft_len=max(prof.draft_len, prof.lookup_len),
         )
 
     def threshold(student_of: Callable[[], Student], t: float, criterion: str = "confidence") -> Decoder:
@@ -208,7 +220,7 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
     if name == "ar:student-base":
         return base
     if name == "ar:prompt-lookup":
-        return spec(lambda: LookupDrafter(prof.ngram, prof.lookup_len))
+        return spec(lambda: LookupDrafter(prof.ngram, prof.lookup_len), verifier)
     if name == "hf:prompt-lookup":
         return hf_lookup
     if name == "spec:head":
@@ -219,11 +231,17 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
         adapter, flow_map = res.vfm
         return spec(lambda: VFMDrafter(flow_map, adapter, s.block_size, res.shifted))
     if name == "spec:model":
-        return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len))
+        return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len), verifier)
     if name == "spec:drafter":
         nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
         return lambda p: speculative_decode(
-            s, p, n, eos, DFlashDraft(s, res.drafter, prof.tree_nodes), on_step=on_step, draft_len=nodes
+            verifier,
+            p,
+            n,
+            eos,
+            DFlashDraft(verifier, res.drafter, prof.tree_nodes),
+            on_step=on_step,
+            draft_len=nodes,
         )
     if family == "threshold":
         return threshold(lambda: s, float(arg))

@@ -145,9 +145,9 @@ class DiffusionSpec:
 
 @dataclass
 class Student:
-    model: nn.Module  # PeftModel
+    model: nn.Module  # PeftModel (or the plain causal LM of `plain_view`)
     tok: object
-    mask: MaskEmbedding
+    mask: MaskEmbedding | None
     info: StudentInfo
     scope: Scope
     attention: str  # "block" | "bidirectional"
@@ -155,8 +155,9 @@ class Student:
 
     @property
     def inner(self) -> nn.Module:
-        """The CausalLM with the LoRA layers injected."""
-        return self.model.get_base_model()
+        """The CausalLM with the LoRA layers injected (a plain view's model itself)."""
+        get = getattr(self.model, "get_base_model", None)
+        return get() if get is not None else self.model
 
     @property
     def hybrid(self) -> bool:
@@ -177,8 +178,23 @@ class Student:
     def base(self) -> Iterator[nn.Module]:
         """The student's base model (adapters off, no open positions): plain causal generation."""
         self.scope.clear()
-        with self.model.disable_adapter():
+        with self.model.disable_adapter() if self.mask is not None else contextlib.nullcontext():
             yield self.inner
+
+
+def plain_view(model: nn.Module, student: Student) -> Student:
+    """`model` (a plain attention-only causal LM equal to the student's base: see `base_is`) in the
+    student's decode layout, with no adapter to gate: a verify forward with no open rows, without
+    PEFT's wrappers around every projection. Its logits have no added mask row, so none is ever
+    emitted. (A hybrid's cache rollback needs the student's scan wrappers: not for hybrids.)"""
+    info = StudentInfo(student.info.mask_id, 0, [], student.info.linear_attention_layers, "none")
+    return Student(model, student.tok, None, info, Scope(masked=True), "block", student.block_size)
+
+
+def base_is(student: Student, model: nn.Module) -> bool:
+    """Whether the student's base (adapters off) is `model` itself (the teacher it was built from):
+    unquantized weights in that model's dtype, so both compute the same greedy tokens."""
+    return student.info.quantization == "none" and compute_dtype(student.inner) == compute_dtype(model)
 
 
 def scan_gates(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -72,13 +72,13 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
 REFERENCE_BASE, REFERENCE_TEACHER = "ar:student-base", "ar:greedy"
 
 
-def base_is_teacher(dspec, student: Student, teacher) -> bool:
-    """Whether the student's base (adapters off) is the teacher itself: unquantized weights in the
-    teacher's dtype. Its greedy decode then gives the teacher's tokens (a test checks it on llama and
-    qwen3_5), so the eval decodes once with `ar:greedy` instead of twice."""
-    from a2d.models.student import compute_dtype
+def base_is_teacher(student: Student, teacher) -> bool:
+    """Whether the student's base (adapters off) is the teacher itself (`a2d.models.student.base_is`).
+    Its greedy decode then gives the teacher's tokens (a test checks it on llama and qwen3_5), so the
+    eval decodes once with `ar:greedy` instead of twice."""
+    from a2d.models.student import base_is
 
-    return dspec.quantization == "none" and compute_dtype(student.inner) == compute_dtype(teacher)
+    return base_is(student, teacher)
 
 
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
@@ -236,7 +236,7 @@ def evaluate(
     names = decoder_names(spec, "vfm" in refs, "drafter" in refs)
     built, skipped = {}, {}
     reference = REFERENCE_BASE
-    if base_is_teacher(dspec, student, teacher):  # one decode of the same model, not two
+    if base_is_teacher(student, teacher):  # one decode of the same model, not two
         reference = REFERENCE_TEACHER
         skipped[REFERENCE_BASE] = (
             "the student's base is the teacher (unquantized, in the teacher's dtype): ar:greedy's tokens "

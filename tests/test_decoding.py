@@ -102,7 +102,6 @@ class Scripted(Drafter):
 def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
     """Every registry decoder flagged lossless gives the base's greedy tokens, on both architectures
     (the hybrid too: a2d's own prompt lookup, where transformers refuses stateful models)."""
-    from types import SimpleNamespace
 
     from a2d.models.teacher import load_teacher
     from a2d.tasks.evaluate import base_is_teacher
@@ -111,7 +110,7 @@ def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
     fast_lora.install(student.model, student.scope)
     teacher, _ = load_teacher(small_teachers / arch, device="cpu")  # as the eval loads it: packed linears
     # the eval checks an unquantized base against the teacher's ar:greedy instead of decoding it twice
-    assert base_is_teacher(SimpleNamespace(quantization=student.info.quantization), student, teacher)
+    assert base_is_teacher(student, teacher)
     res = registry.Resources(student, EOS, 14, teacher=teacher)
     lossless = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
     assert all(registry.describe(n).lossless for n in lossless)

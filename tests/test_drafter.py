@@ -368,3 +368,25 @@ def test_the_cpu_kernel_is_chosen_per_shape_and_row_count(monkeypatch):
         finally:
             torch.ops.mkldnn._linear_pointwise = real
     assert calls == [4, 4, 9, 9]  # gate/up as one product, and down, at 4 and 9 rows only
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_spec_drafter_verifies_on_the_teacher_where_it_is_the_base(small_teachers, arch):
+    """The registry's spec:drafter (a tree of drafts on llama, a chain on the hybrid) gives the base's
+    tokens; on the attention-only base its verify forwards run on the teacher itself (no PEFT
+    wrappers), on the hybrid on the student (its scan wrappers hold the rollback points)."""
+    from a2d.models import decoders as registry
+    from a2d.models.teacher import load_teacher
+
+    student = trained_like(small_teachers, arch)
+    teacher, _ = load_teacher(small_teachers / arch, device="cpu")
+    calls = []
+    hook = teacher.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        res = registry.Resources(student, EOS, 16, teacher=teacher, drafter=tiny_drafter(student))
+        out = registry.build("spec:drafter", res)(PROMPT)
+    finally:
+        hook.remove()
+    assert out.tokens == base_greedy(student, PROMPT, 16)
+    assert len(calls) == (len(out.drafted) if arch == "llama" else 0)
+    assert max(out.drafted) == (registry.PROFILES["cpu"].tree_nodes if arch == "llama" else 3)
