@@ -11,8 +11,10 @@ alike. Writes benchmarks/results/drafting.json:
 - `tau`: spec:drafter's tokens per verify forward, the verify's own token included.
 - `tpf_base_forwards` / `tpf_all_forwards`: tokens per base (verify) forward / per model call
   (the drafter's forwards count in the second).
-- `acceptance_by_offset[k]`: of the verify forwards whose drafts reached offset k, the share where
-  drafts 1..k all held (held-out, decode time).
+- `acceptance_by_offset[k]`: of the verify forwards whose drafts reached offset k (a tree: its
+  depth), the share where drafts 1..k all held (held-out, decode time).
+- `tree_nodes` / `drafts_per_verify`: the drafts spec:drafter feeds a verify forward as a tree (the
+  device profile's budget; 0 = one chain) and how many it fed on average.
 - `drafter_cost_vs_base_forward`: mean seconds of one drafter forward ÷ mean seconds of one verify
   forward in the same decodes.
 - `*_speedup_vs_ar`: tokens/s ÷ ar:greedy's, with a 95 % bootstrap interval over prompts.
@@ -140,8 +142,8 @@ def main() -> None:
     block = drafter.config.block_size
     reached, held = [0] * (block - 1), [0] * (block - 1)
     for o in recs:
-        for d, a in zip(o.drafted, o.accepted, strict=True):
-            for k in range(d):
+        for depth, a in zip(o.reach, o.accepted, strict=True):  # a tree's depth, a chain's length
+            for k in range(depth):
                 reached[k] += 1
                 held[k] += a > k
     drafter_seconds = sum(d.seconds for d in drafts)
@@ -179,6 +181,8 @@ def main() -> None:
             "draft_vocab": None if drafter.draft_vocab is None else len(drafter.draft_vocab),
             "lossless_mismatches": mismatches,
             "tau": round(tokens / verifies, 4),
+            "tree_nodes": registry.profile_for("cpu").tree_nodes,
+            "drafts_per_verify": round(sum(sum(o.drafted) for o in recs) / verifies, 3),
             "tau_teacher_forced": forced["tau"],
             "tau_teacher_forced_decode_chain": forced["tau_decode_chain"],
             "teacher_forced_rows": len(seqs),
