@@ -251,6 +251,10 @@ class Group:
             self.splits = [*self.sizes, self.rank] if self.rank else list(self.sizes)
             self.bias = bias
             self.packed = _pack(torch.cat(rows).contiguous()) if any(self.wins) else None
+            # where MKL wins some row count, an adapted group keeps its A rows as one matrix: its LoRA
+            # delta then still goes in with one product, not one wrapper per projection
+            n = len(self.bases)
+            self.a_rows = torch.cat(rows[n:]).contiguous() if self.rank and not all(self.wins) else None
         self.version = self._versions()
 
     def _lora_ready(self, x: torch.Tensor) -> int | None:
@@ -275,10 +279,15 @@ class Group:
         if self.version != tuple(map(_VERSION, self.params)):
             self._build()
         flat = x.reshape(-1, x.shape[-1])
-        if not self.wins[_bucket(flat.shape[0])]:  # MKL at this row count: each member its own product
+        if self.wins[_bucket(flat.shape[0])]:
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        elif self.a_rows is not None:  # MKL at this row count: each member's product (as the base
+            # runs them), the members' A rows as one more, and the delta still added with one product
+            outs = [F.linear(flat, b.weight, b.bias) for b in self.bases]
+            y = torch.cat([*outs, F.linear(flat, self.a_rows)], -1)  # (rows, Σout + rank)
+        else:  # MKL at this row count: each plain member its own product
             base = self.bases[index]
             return F.linear(x, base.weight, base.bias), False
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         lora = False
         if self.adapters:
             w = self._lora_ready(x)

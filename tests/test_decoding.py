@@ -183,9 +183,13 @@ def test_each_mask_run_sees_what_a_forward_after_that_acceptance_sees(small_teac
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch):
+@pytest.mark.parametrize("kernel", ["packed", "dense"])
+def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch, kernel, monkeypatch):
     """The decode fast path computes what PEFT's wrappers compute (the trained model), and the
-    adapter really acts on the open rows only."""
+    adapter really acts on the open rows only: with oneDNN's packed product of [W; A] per group, and
+    with MKL's per-projection products plus the group's A rows (where MKL is the faster kernel)."""
+    monkeypatch.setenv("A2D_CPU_LINEAR", kernel)
+    cpu_kernels.kernel_choice.cache_clear()
     student = trained_like(small_teachers, arch)
     mask = student.info.mask_id
     ids = torch.tensor([PROMPT + [mask] * 4])
@@ -202,6 +206,7 @@ def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch):
             # run the Gated DeltaNet projections on a flipped gate, where the wrappers add the delta)
         with student.base() as base:
             plain = base(ids).logits
+    cpu_kernels.kernel_choice.cache_clear()
     torch.testing.assert_close(lean, trained, atol=1e-5, rtol=0)
     torch.testing.assert_close(lean[:, :-4], plain[:, :-4], atol=1e-5, rtol=0)  # clean rows: the base
     assert (lean[:, -3:] - plain[:, -3:]).abs().max() > 1e-2  # open rows: the adapter acts
