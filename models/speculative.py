@@ -58,9 +58,8 @@ class Proposal:
         self.tokens = list(tokens or [])
         self.q = q  # (k, V) or None
         self.landed = list(landed or [])  # base tokens a drafter's own clean forward computed (exact)
-        self.parents = (
-            parents  # a tree: draft i continues draft parents[i] (-1: the newest token); None: a chain
-        )
+        # a tree: draft i continues draft parents[i] (-1: the newest committed token); None: a chain
+        self.parents = parents
 
 
 class Drafter:
