@@ -107,7 +107,12 @@ def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     for this many rows and there is no grad, else `F.linear` (checked first: the one-row hot path)."""
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
-    if not rows or not module._a2d_wins[_bucket(rows)] or not _plain(x):
+    if (
+        not rows
+        or not module._a2d_wins[_bucket(rows)]
+        or not _plain(x)
+        or module.weight.dtype != torch.float32
+    ):
         return F.linear(x, module.weight, module.bias)
     group = module._a2d_group
     if group is not None:
@@ -220,8 +225,8 @@ class Group:
         if adapters:
             self.first, self.scope = adapters[0], adapters[0]._a2d_scope
             self.dropout = any(a._a2d_lora[3] is not None for a in adapters)
-        rank = sum(a._a2d_lora[0].shape[0] for a in adapters or ())
-        self.wins = kernel_choice(bases[0].in_features, self.width + rank)  # per row bucket: packed?
+        self.rank = sum(a._a2d_lora[0].shape[0] for a in adapters or ())  # LoRA rows in the product
+        self.wins = kernel_choice(bases[0].in_features, self.width + self.rank)  # per row bucket: packed?
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(map(_VERSION, self.params))
@@ -234,12 +239,10 @@ class Group:
                 bias = torch.cat(
                     [b.bias if b.bias is not None else b.weight.new_zeros(b.out_features) for b in self.bases]
                 )
-            self.rank = 0
             if self.adapters:
                 loras = [a._a2d_lora for a in self.adapters]
                 rows += [lora[0].float() for lora in loras]
                 ranks = [lora[0].shape[0] for lora in loras]
-                self.rank = sum(ranks)
                 blocks = torch.zeros(self.rank, self.width)  # blockdiag(B_i * s_i)^T
                 r0, c0 = 0, 0
                 for (_, b, scaling, _), r, n in zip(loras, ranks, self.sizes, strict=True):

@@ -438,7 +438,7 @@ def _decode_loop(
         if parents is None:
             drafts = drafts[: min(draft_len, remaining - 1)]
         else:
-            drafts, parents = trim_tree(drafts, parents, remaining - 1, draft_len)
+            drafts, parents, depth = trim_tree(drafts, parents, remaining - 1, draft_len)
         region, runs = drafter.region(len(drafts), remaining)
         hidden = canvas.forward(drafts, region, runs, parents=parents)
         n_pending = hidden.shape[0] - len(drafts) - len(region)
@@ -465,7 +465,7 @@ def _decode_loop(
         out.extend(new)
         steps.extend([canvas.forwards + drafter.forwards] * len(new))
         drafted.append(len(drafts))
-        reach.append(tree_depth(parents) if parents is not None else len(drafts))
+        reach.append(depth if parents is not None else len(drafts))
         accepted.append(j)
         draftable.append(len(drafted) > 1 and remaining > 1)  # not the prompt's forward nor a 1-token budget
         if stop or len(out) >= max_new_tokens:
@@ -478,8 +478,9 @@ def _decode_loop(
 
 def trim_tree(
     tokens: list[int], parents: list[int], max_depth: int, max_nodes: int
-) -> tuple[list[int], list[int]]:
-    """The first `max_nodes` nodes of a tree no deeper than `max_depth`, parents renumbered."""
+) -> tuple[list[int], list[int], int]:
+    """The first `max_nodes` nodes of a tree no deeper than `max_depth`, parents renumbered, and
+    the kept tree's depth (a root child: 1)."""
     depth, index, out_tokens, out_parents = [], {}, [], []
     for i, (t, p) in enumerate(zip(tokens, parents, strict=True)):
         depth.append(1 + (depth[p] if p >= 0 else 0))
@@ -487,15 +488,7 @@ def trim_tree(
             index[i] = len(out_tokens)
             out_tokens.append(t)
             out_parents.append(index[p] if p >= 0 else -1)
-    return out_tokens, out_parents
-
-
-def tree_depth(parents: list[int]) -> int:
-    """The deepest draft's depth (a root child: 1)."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 + (depth[p] if p >= 0 else 0))
-    return max(depth, default=0)
+    return out_tokens, out_parents, max((depth[i] for i in index), default=0)
 
 
 def speculative_accept(

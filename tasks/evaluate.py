@@ -17,7 +17,7 @@ from a2d.models.block_decode import Decoded
 from a2d.models.generate import eos_ids
 from a2d.models.metrics import family_aup, summarise_decoder
 from a2d.models.report import markdown_report, plot_speed_quality, text_table
-from a2d.models.student import Student
+from a2d.models.student import Student, base_is
 from a2d.models.teacher import resolve_device
 from a2d.specs import EvalSpec, HeadSpec
 from a2d.stores import bundled
@@ -70,15 +70,6 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
 
 
 REFERENCE_BASE, REFERENCE_TEACHER = "ar:student-base", "ar:greedy"
-
-
-def base_is_teacher(student: Student, teacher) -> bool:
-    """Whether the student's base (adapters off) is the teacher itself (`a2d.models.student.base_is`).
-    Its greedy decode then gives the teacher's tokens (a test checks it on llama and qwen3_5), so the
-    eval decodes once with `ar:greedy` instead of twice."""
-    from a2d.models.student import base_is
-
-    return base_is(student, teacher)
 
 
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
@@ -236,7 +227,7 @@ def evaluate(
     names = decoder_names(spec, "vfm" in refs, "drafter" in refs)
     built, skipped = {}, {}
     reference = REFERENCE_BASE
-    if base_is_teacher(student, teacher):  # one decode of the same model, not two
+    if base_is(student, teacher):  # the base is the teacher (unquantized): one decode of it, not two
         reference = REFERENCE_TEACHER
         skipped[REFERENCE_BASE] = (
             "the student's base is the teacher (unquantized, in the teacher's dtype): ar:greedy's tokens "

@@ -103,14 +103,14 @@ def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
     """Every registry decoder flagged lossless gives the base's greedy tokens, on both architectures
     (the hybrid too: a2d's own prompt lookup, where transformers refuses stateful models)."""
 
+    from a2d.models.student import base_is
     from a2d.models.teacher import load_teacher
-    from a2d.tasks.evaluate import base_is_teacher
 
     student = trained_like(small_teachers, arch)
     fast_lora.install(student.model, student.scope)
     teacher, _ = load_teacher(small_teachers / arch, device="cpu")  # as the eval loads it: packed linears
     # the eval checks an unquantized base against the teacher's ar:greedy instead of decoding it twice
-    assert base_is_teacher(student, teacher)
+    assert base_is(student, teacher)
     res = registry.Resources(student, EOS, 14, teacher=teacher)
     lossless = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
     assert all(registry.describe(n).lossless for n in lossless)
