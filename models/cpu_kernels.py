@@ -137,7 +137,8 @@ def pack(model: nn.Module) -> int:
         return 0
     routed = []
     for module in model.modules():
-        module.__dict__.pop("_a2d_fast", None)  # groups are made afresh below
+        if "_a2d_fast" in module.__dict__:
+            module._a2d_fast = None  # groups are made afresh below
         if type(module) is not nn.Linear or not _packable(module):
             continue
         module._a2d_packed, module._a2d_group = None, None
@@ -254,56 +255,65 @@ class Group:
             self.splits = [*self.sizes, self.rank] if self.rank else list(self.sizes)
             self.bias = bias
             self.packed = _pack(torch.cat(rows).contiguous()) if any(self.wins) else None
-            # where MKL wins some row count, an adapted group keeps its A rows as one matrix: its LoRA
-            # delta then still goes in with one product, not one wrapper per projection
-            n = len(self.bases)
-            self.a_rows = torch.cat(rows[n:]).contiguous() if self.rank and not all(self.wins) else None
+            # where MKL wins some row count, an adapted group keeps the same stacked rows dense
+            self.dense = torch.cat(rows).contiguous() if self.rank and not all(self.wins) else None
         self.version = self._versions()
-
-    def _lora_ready(self, x: torch.Tensor) -> int | None:
-        """The open window the delta goes into here, or None when the wrappers must add it."""
-        scope = self.scope
-        gate = scope.adapter
-        if gate is None or self.first._disable_adapters:
-            return 0  # no open positions, or adapters off: the base alone
-        if self.dropout or not (scope.unit_window and gate is scope.forward_gate and x.dim() == 3):
-            return None
-        if x.shape[0] != 1:
-            return None
-        return min(scope.window, x.shape[-2])
 
     def output(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
         local = self.local
         kept = getattr(local, "kept", None)
-        if kept and local.x is x:
-            out = kept.pop(index, None)
+        if kept is not None and local.x is x:
+            out = kept[index]
             if out is not None:
+                kept[index] = None  # each slice serves one call: a second call computes afresh
                 return out, local.lora
         if self.version != tuple(map(_VERSION, self.params)):
             self._build()
-        flat = x.reshape(-1, x.shape[-1])
-        if self.wins[_bucket(flat.shape[0])]:
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        elif self.a_rows is not None:  # MKL at this row count: each member's product (as the base
-            # runs them), the members' A rows as one more, and the delta still added with one product
-            outs = [F.linear(flat, b.weight, b.bias) for b in self.bases]
-            y = torch.cat([*outs, F.linear(flat, self.a_rows)], -1)  # (rows, Σout + rank)
-        else:  # MKL at this row count: each plain member its own product
+        # A decode forward makes ~120 of these calls, and on a 2-core CPU every tensor op and Python
+        # frame costs microseconds whatever the size: the product, then two strided views and the
+        # delta, then one split; the decode-state checks inline.
+        rows = x.numel() // x.shape[-1]
+        if self.wins[_bucket(rows)]:
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], ""
+            ).view(*x.shape[:-1], -1)
+        elif self.dense is not None:  # MKL at this row count: the same stacked rows, dense
+            y = F.linear(x, self.dense, self.bias)  # (…, Σout + rank), fresh and contiguous
+        else:  # MKL at this row count: each plain member its own product, as the model runs it
             base = self.bases[index]
             return F.linear(x, base.weight, base.bias), False
         lora = False
         if self.adapters:
-            w = self._lora_ready(x)
+            w = self._window(x)
             if w is not None:
                 lora = True
-                if w:  # narrow, not indexing: this runs ~120 times per decode forward
-                    tail = y.narrow(0, y.shape[0] - w, w)
-                    tail.narrow(1, 0, self.width).addmm_(tail.narrow(1, self.width, self.rank), self.blocks)
-        y = y.view(*x.shape[:-1], y.shape[-1])
+                if w:  # y[-w:, :Σout] += y[-w:, Σout:] @ blockdiag(B_i s_i)ᵀ, on strided views
+                    step = self.width + self.rank
+                    at = (rows - w) * step  # y is fresh: its storage starts at its first element
+                    y.as_strided((w, self.width), (step, 1), at).addmm_(
+                        y.as_strided((w, self.rank), (step, 1), at + self.width), self.blocks
+                    )
         if len(self.sizes) == 1:  # a group of one (an adapted o/down projection): nothing to stash
             local.lora = lora
             return (y.narrow(-1, 0, self.width) if self.rank else y), lora
-        outs = y.split(self.splits, -1)
-        local.x, local.lora = x, lora
-        local.kept = {j: outs[j] for j in range(len(self.sizes)) if j != index}
-        return outs[index], lora
+        outs = list(torch.split_with_sizes(y, self.splits, -1))
+        out, outs[index] = outs[index], None
+        local.x, local.lora, local.kept = x, lora, outs
+        return out, lora
+
+    def _window(self, x: torch.Tensor) -> int | None:
+        """The open window the delta goes into here (0: none), or None when the wrappers must add it:
+        it goes in for one row, no grad, the whole trailing window open with gate 1, no dropout."""
+        scope = self.scope
+        gate = scope.adapter
+        if gate is None or self.first._disable_adapters:
+            return 0  # no open positions, or adapters off: the base alone
+        if (
+            scope.unit_window
+            and gate is scope.forward_gate
+            and not self.dropout
+            and x.dim() == 3
+            and x.shape[0] == 1
+        ):
+            return min(scope.window, x.shape[1])
+        return None  # training, dropout, a batch: the members' wrappers add the delta themselves

@@ -33,8 +33,15 @@ ADAPTER = "default"
 
 
 def _lean_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    fast = self.__dict__.get("_a2d_fast")  # (group, index) where cpu_kernels grouped this projection
-    if fast is not None and not args and not kwargs and cpu_kernels._plain(x):
+    fast = self._a2d_fast  # (group, index) where cpu_kernels grouped this projection, else None
+    if (
+        fast is not None
+        and not args
+        and not kwargs
+        and not torch.is_grad_enabled()
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
         out, applied = fast[0].output(fast[1], x)  # siblings' product, A rows and delta included
         if applied:
             return out
@@ -89,6 +96,7 @@ def install(model: nn.Module, scope: Scope) -> int:
         if set(lora_a) != {ADAPTER} or getattr(module, "lora_variant", {}):
             raise ValueError(f"{type(module).__name__} carries adapters the lean path does not model")
         module._a2d_scope = scope
+        module._a2d_fast = None  # set by cpu_kernels.pack where the projection joins a group
         dropout = module.lora_dropout[ADAPTER]
         module._a2d_lora = (  # the parameters themselves: loading an adapter copies into them in place
             lora_a[ADAPTER].weight,

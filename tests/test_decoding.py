@@ -187,7 +187,7 @@ def test_each_mask_run_sees_what_a_forward_after_that_acceptance_sees(small_teac
 def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch, kernel, monkeypatch):
     """The decode fast path computes what PEFT's wrappers compute (the trained model), and the
     adapter really acts on the open rows only: with oneDNN's packed product of [W; A] per group, and
-    with MKL's per-projection products plus the group's A rows (where MKL is the faster kernel)."""
+    with MKL's dense product of the same rows (where MKL is the faster kernel)."""
     monkeypatch.setenv("A2D_CPU_LINEAR", kernel)
     cpu_kernels.kernel_choice.cache_clear()
     student = trained_like(small_teachers, arch)
