@@ -101,7 +101,11 @@ def kernel_choice(in_features: int, out_features: int) -> tuple[bool, ...]:
             x = torch.randn(rows, in_features, generator=gen)
             one, mkl = [], []
             for _ in range(ROUNDS):
-                one.append(_median_us(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")))
+                one.append(
+                    _median_us(
+                        lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                    )
+                )
                 mkl.append(_median_us(lambda x=x: F.linear(x, w)))
             wins.append(sorted(one)[ROUNDS // 2] < MARGIN * sorted(mkl)[ROUNDS // 2])
     return tuple(wins)
@@ -263,9 +267,10 @@ class Group:
                     bias = torch.cat([bias, bias.new_zeros(self.rank)])
             self.splits = [*self.sizes, self.rank] if self.rank else list(self.sizes)
             self.bias = bias
-            self.packed = _pack(torch.cat(rows).contiguous()) if any(self.wins) else None
+            stacked = torch.cat(rows).contiguous()
+            self.packed = _pack(stacked) if any(self.wins) else None
             # where MKL wins some row count, an adapted group keeps the same stacked rows dense
-            self.dense = torch.cat(rows).contiguous() if self.rank and not all(self.wins) else None
+            self.dense = stacked if self.rank and not all(self.wins) else None
         self.version = self._versions()
 
     def output(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -280,7 +285,7 @@ class Group:
             self._build()
         # A decode forward makes ~120 of these calls, and on a 2-core CPU every tensor op and Python
         # frame costs microseconds whatever the size: the product, then two strided views and the
-        # delta, then one split; the decode-state checks inline.
+        # delta, then one split.
         rows = x.numel() // x.shape[-1]
         if self.wins[_bucket(rows)]:
             y = torch.ops.mkldnn._linear_pointwise(

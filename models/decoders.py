@@ -190,15 +190,11 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
     plain = res.teacher is not None and not s.hybrid and base_is(s, res.teacher)
     verifier = plain_view(res.teacher, s) if plain else s
 
-    def spec(drafter_factory, student: Student = s) -> Decoder:
+    def spec(
+        drafter_factory, student: Student = s, draft_len: int = max(prof.draft_len, prof.lookup_len)
+    ) -> Decoder:
         return lambda p: speculative_decode(
-            student,
-            p,
-            n,
-            eos,
-            drafter_factory(),
-            on_step=on_step,
-            draft_len=max(prof.draft_len, prof.lookup_len),
+            student, p, n, eos, drafter_factory(), on_step=on_step, draft_len=draft_len
         )
 
     def threshold(student_of: Callable[[], Student], t: float, criterion: str = "confidence") -> Decoder:
@@ -234,15 +230,7 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
         return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len), verifier)
     if name == "spec:drafter":
         nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
-        return lambda p: speculative_decode(
-            verifier,
-            p,
-            n,
-            eos,
-            DFlashDraft(verifier, res.drafter, prof.tree_nodes),
-            on_step=on_step,
-            draft_len=nodes,
-        )
+        return spec(lambda: DFlashDraft(verifier, res.drafter, prof.tree_nodes), verifier, nodes)
     if family == "threshold":
         return threshold(lambda: s, float(arg))
     if family == "entropy":

@@ -34,14 +34,7 @@ ADAPTER = "default"
 
 def _lean_forward(self: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     fast = self._a2d_fast  # (group, index) where cpu_kernels grouped this projection, else None
-    if (
-        fast is not None
-        and not args
-        and not kwargs
-        and not torch.is_grad_enabled()
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-    ):
+    if fast is not None and not args and not kwargs and cpu_kernels._plain(x):
         out, applied = fast[0].output(fast[1], x)  # siblings' product, A rows and delta included
         if applied:
             return out
