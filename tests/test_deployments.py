@@ -513,14 +513,14 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         markers = store / "responses" / crash_refs["responses"].key / "_markers"
         flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=crash)
         deadline = time.monotonic() + 180
-        while not (markers.is_dir() and any(markers.iterdir())):
+        while not _finished(markers):  # a marker's atomic-write temp file is not a finished shard
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.05)
         for pid in _run_processes(serve.pid, flow_run.id):  # the run's process and any it started
             os.kill(pid, signal.SIGKILL)
-        done_before = len(list(markers.iterdir()))
+        done_before = len(_finished(markers))
         _wait_for_state(client, flow_run.id, "CRASHED", 60)
-        shards = len(list((store / "prompts" / crash_refs["prompts"].key / "_markers").iterdir()))
+        shards = len(_finished(store / "prompts" / crash_refs["prompts"].key / "_markers"))
         assert done_before < shards, "the stage finished before the kill: nothing to resume"
 
         from prefect.states import AwaitingRetry
@@ -531,7 +531,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         resumed = {r["stage"]: r["outcome"] for r in summary}["responses"]
         finished = re.fullmatch(r"resumed \((\d+) of (\d+) shards already finished\)", resumed)
         assert finished and int(finished[1]) >= done_before and int(finished[2]) == shards, resumed
-        assert len(list(markers.iterdir())) == shards
+        assert len(_finished(markers)) == shards and sorted(markers.iterdir()) == _finished(markers)
         assert _tables(client, "a2d-responses")[-1]["resumed_shards"] == int(finished[1])
 
         # A stage deployment takes its inputs as keys (the form's text fields): the responses stage
@@ -545,6 +545,11 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             "reused": True,
             "seconds": _tables(client, "a2d-responses")[-1]["seconds"],
         }
+
+
+def _finished(markers: Path) -> list[Path]:
+    """The finished shards' markers in `markers` (not the temp files of markers being written)."""
+    return sorted(p for p in markers.iterdir() if p.suffix == ".json") if markers.is_dir() else []
 
 
 def _run_processes(root: int, flow_run_id) -> list[int]:
