@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             "and set PREFECT_API_URL=http://127.0.0.1:4200/api",
             file=sys.stderr,
         )
+        print(f"a2d: Prefect said: {str(e)[:2000]}", file=sys.stderr)  # the server's own output
         return 2
 
 

@@ -31,17 +31,26 @@ LINEAR_TYPES = ("Linear", "Linear4bit", "Linear8bitLt")
 MASK_TOKEN = "<|mask|>"
 
 
-def linear_targets(model: nn.Module) -> tuple[list[str], int]:
-    """Leaf names of every linear projection inside the decoder layers (routers excluded) and their count."""
-    names, count = set(), 0
+def linear_targets(model: nn.Module, only: list[str] | None = None) -> tuple[list[str], int]:
+    """Leaf names of the linear projections inside the decoder layers (routers excluded) and their
+    count: every one, or those named in `only` (each must name projections of this model)."""
+    names, count, found = set(), 0, set()
     for layer in decoder_layers(model):
         for full, module in layer.named_modules():
             leaf = full.rsplit(".", 1)[-1]
             if type(module).__name__ in LINEAR_TYPES and leaf not in ROUTER_NAMES and "lora_" not in full:
-                names.add(leaf)
-                count += 1
-    if not names:
+                found.add(leaf)
+                if only is None or leaf in only:
+                    names.add(leaf)
+                    count += 1
+    if not found:
         raise ValueError(f"no linear projections found in the decoder layers of {type(model).__name__}")
+    unknown = sorted(set(only or ()) - found)
+    if unknown:
+        raise ValueError(
+            f"head.lora_targets names {unknown}, which are not projections of {type(model).__name__}'s "
+            f"decoder layers: use some of {sorted(found)} (or leave lora_targets empty for all of them)"
+        )
     return sorted(names), count
 
 
@@ -272,7 +281,8 @@ def make_student(
     gradient_checkpointing: bool = False,
     adapter_dir=None,
 ) -> Student:
-    """Teacher weights + LoRA on every projection + mask embedding, ready to train (or load an adapter)."""
+    """Teacher weights + LoRA on every projection (or those `lora["targets"]` names) + mask
+    embedding, ready to train (or load an adapter)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     from a2d.models.teacher import disable_cpu_nf4_packing
@@ -292,7 +302,7 @@ def make_student(
         if hasattr(layer, "linear_attn") and not isinstance(layer.linear_attn, BidirectionalScan):
             layer.linear_attn = BidirectionalScan(layer.linear_attn, scope, reverse)
             scans += int(reverse)
-    names, expected = linear_targets(model)
+    names, expected = linear_targets(model, lora.get("targets"))
     if quantization == "nf4":
         model = prepare_model_for_kbit_training(
             model,

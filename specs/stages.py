@@ -229,6 +229,11 @@ class HeadSpec(Spec):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype (bfloat16 on GPU)")
     lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank")
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha")
+    lora_targets: list[str] = Field(
+        default_factory=list,
+        description="Projections the LoRA adapts, by leaf name (e.g. q_proj): empty for every linear "
+        "projection of the decoder layers. Fewer targets make a decode forward cheaper on a CPU",
+    )
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling alpha/sqrt(r)")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
     attention: Literal["block", "bidirectional"] = Field(

@@ -40,6 +40,7 @@ def head_student(
         "alpha": rank or spec.lora_alpha,
         "dropout": spec.lora_dropout if dropout is None else dropout,
         "rslora": spec.rslora,
+        "targets": spec.lora_targets or None,
     }
     return build_student(
         teacher_dir,

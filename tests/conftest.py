@@ -119,13 +119,17 @@ def small_teachers(tmp_path_factory):
     return root
 
 
-def trained_like(teachers, arch, attention="block", scope="masked", linear="bidirectional", block=4):
-    """A student whose adapter, mask embedding and scan gates are far from zero (as after training)."""
+def trained_like(
+    teachers, arch, attention="block", scope="masked", linear="bidirectional", block=4, targets=None
+):
+    """A student whose adapter, mask embedding and scan gates are far from zero (as after training);
+    `targets`: the projections its LoRA adapts (default: all)."""
     import torch
 
     from a2d.models.student import build_student
 
-    student = build_student(teachers / arch, "none", "float32", "cpu", LORA, attention, linear, block, scope)
+    lora = {**LORA, "targets": targets} if targets else LORA
+    student = build_student(teachers / arch, "none", "float32", "cpu", lora, attention, linear, block, scope)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in student.model.named_parameters():

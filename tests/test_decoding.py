@@ -212,6 +212,31 @@ def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch, kernel
     assert (lean[:, -3:] - plain[:, -3:]).abs().max() > 1e-2  # open rows: the adapter acts
 
 
+def test_an_attention_only_lora_decodes_as_it_trains_and_leaves_the_mlp_the_base(small_teachers):
+    """`head.lora_targets` (the demo adapts attention only: a decode forward then adds one delta
+    product per attention group, none for the MLP): only the named projections carry LoRA, the lean
+    decode path still computes the training forward, and a name the model lacks is refused."""
+    student = trained_like(small_teachers, "llama", targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    names = [n.split(".lora_A")[0] for n, _ in student.model.named_parameters() if ".lora_A" in n]
+    adapted = {n.rsplit(".", 1)[-1] for n in names}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"} and student.info.lora_modules == 4 * 2
+    mask = student.info.mask_id
+    ids = torch.tensor([PROMPT + [mask] * 4])
+    pad, open_ = torch.ones_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    open_[:, -4:] = True
+    with torch.no_grad():
+        trained = lm_head(student)(student_forward(student, ids, pad, open_))
+        assert fast_lora.install(student.model, student.scope) == 4 * 2
+        lean = lm_head(student)(student_forward(student, ids, pad, open_))
+        with student.base() as base:
+            plain = base(ids).logits
+    torch.testing.assert_close(lean, trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lean[:, :-4], plain[:, :-4], atol=1e-5, rtol=0)
+    assert (lean[:, -3:] - plain[:, -3:]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match=r"\['qkv'\].*use some of \['down_proj', 'gate_proj'"):
+        trained_like(small_teachers, "llama", targets=["q_proj", "qkv"])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a2d_ar_decode_is_transformers_greedy(small_teachers, arch):
     student = trained_like(small_teachers, arch)
