@@ -316,13 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     # the user opts in (offline machines otherwise log a telemetry error on every run).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect gives its temporary server 20 s to start; a loaded laptop (or 2 busy cores) needs more.
-    os.environ.setdefault(STARTUP_TIMEOUT_VAR, str(STARTUP_TIMEOUT_S))
+    # Prefect read its settings when it was imported (above): the environment alone is too late here.
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    os.environ.setdefault(STARTUP_TIMEOUT_VAR, str(STARTUP_TIMEOUT_S))  # for processes a run starts
+    startup_s = int(float(os.environ[STARTUP_TIMEOUT_VAR]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup_s}):
+            return args.fn(args)
     except (ConfigError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"a2d: error: {msg}", file=sys.stderr)
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if "ephemeral Prefect API server" not in str(e):
             raise
         print(
-            f"a2d: error: the temporary Prefect server did not start within {os.environ[STARTUP_TIMEOUT_VAR]} s "
+            f"a2d: error: the temporary Prefect server did not start within {startup_s} s "
             f"(a busy machine?): set {STARTUP_TIMEOUT_VAR}=300, or start one with `prefect server start` "
             "and set PREFECT_API_URL=http://127.0.0.1:4200/api",
             file=sys.stderr,

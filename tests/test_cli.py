@@ -151,3 +151,19 @@ def test_a_temporary_server_that_does_not_start_gets_one_line_of_advice(tmp_path
     err = [line for line in done.stderr.splitlines() if line.startswith("a2d: error")]
     assert len(err) == 1 and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=300" in err[0]
     assert "Traceback" not in done.stderr
+
+
+def test_the_servers_startup_timeout_reaches_prefect_though_prefect_is_already_imported(monkeypatch):
+    """Prefect reads its settings when imported, before `main` can set the environment: the
+    temporary server's startup timeout (180 s unless the user sets one) must still reach it."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as TIMEOUT
+
+    from a2d.flows import cli
+
+    seen = []
+    monkeypatch.delenv(cli.STARTUP_TIMEOUT_VAR, raising=False)
+    monkeypatch.setattr(cli, "cmd_ls", lambda args: seen.append(TIMEOUT.value()) or 0)
+    assert TIMEOUT.value() == 20  # Prefect's own default, read at import
+    assert cli.main(["ls"]) == 0 and seen == [cli.STARTUP_TIMEOUT_S]
+    monkeypatch.setenv(cli.STARTUP_TIMEOUT_VAR, "300")
+    assert cli.main(["ls"]) == 0 and seen[-1] == 300
