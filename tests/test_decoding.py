@@ -191,22 +191,28 @@ def test_the_lean_lora_path_is_the_training_forward(small_teachers, arch, kernel
     monkeypatch.setenv("A2D_CPU_LINEAR", kernel)
     cpu_kernels.kernel_choice.cache_clear()
     student = trained_like(small_teachers, arch)
+    _lean_is_trained(student, student.info.lora_modules)
+    groups = {m._a2d_group for m in student.model.modules() if getattr(m, "_a2d_group", None)}
+    if cpu_kernels.supported():  # on the CPU the deltas went in through the siblings' one product
+        fast = [g for g in groups if g.adapters and g.local.lora]
+        assert len(fast) == len(groups) if arch == "llama" else fast  # (qwen3_5: its reverse scans
+        # run the Gated DeltaNet projections on a flipped gate, where the wrappers add the delta)
+    cpu_kernels.kernel_choice.cache_clear()
+
+
+def _lean_is_trained(student, routed: int) -> None:
+    """Install the lean LoRA path (it routes `routed` projections) and check it against the training
+    forward: the same logits, the base's on the clean rows, the adapter acting on the open rows."""
     mask = student.info.mask_id
     ids = torch.tensor([PROMPT + [mask] * 4])
     pad, open_ = torch.ones_like(ids), torch.zeros_like(ids, dtype=torch.bool)
     open_[:, -4:] = True
     with torch.no_grad():
         trained = lm_head(student)(student_forward(student, ids, pad, open_))
-        assert fast_lora.install(student.model, student.scope) == student.info.lora_modules
+        assert fast_lora.install(student.model, student.scope) == routed
         lean = lm_head(student)(student_forward(student, ids, pad, open_))
-        groups = {m._a2d_group for m in student.model.modules() if getattr(m, "_a2d_group", None)}
-        if cpu_kernels.supported():  # on the CPU the deltas went in through the siblings' one product
-            fast = [g for g in groups if g.adapters and g.local.lora]
-            assert len(fast) == len(groups) if arch == "llama" else fast  # (qwen3_5: its reverse scans
-            # run the Gated DeltaNet projections on a flipped gate, where the wrappers add the delta)
         with student.base() as base:
             plain = base(ids).logits
-    cpu_kernels.kernel_choice.cache_clear()
     torch.testing.assert_close(lean, trained, atol=1e-5, rtol=0)
     torch.testing.assert_close(lean[:, :-4], plain[:, :-4], atol=1e-5, rtol=0)  # clean rows: the base
     assert (lean[:, -3:] - plain[:, -3:]).abs().max() > 1e-2  # open rows: the adapter acts
@@ -220,19 +226,7 @@ def test_an_attention_only_lora_decodes_as_it_trains_and_leaves_the_mlp_the_base
     names = [n.split(".lora_A")[0] for n, _ in student.model.named_parameters() if ".lora_A" in n]
     adapted = {n.rsplit(".", 1)[-1] for n in names}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"} and student.info.lora_modules == 4 * 2
-    mask = student.info.mask_id
-    ids = torch.tensor([PROMPT + [mask] * 4])
-    pad, open_ = torch.ones_like(ids), torch.zeros_like(ids, dtype=torch.bool)
-    open_[:, -4:] = True
-    with torch.no_grad():
-        trained = lm_head(student)(student_forward(student, ids, pad, open_))
-        assert fast_lora.install(student.model, student.scope) == 4 * 2
-        lean = lm_head(student)(student_forward(student, ids, pad, open_))
-        with student.base() as base:
-            plain = base(ids).logits
-    torch.testing.assert_close(lean, trained, atol=1e-5, rtol=0)
-    torch.testing.assert_close(lean[:, :-4], plain[:, :-4], atol=1e-5, rtol=0)
-    assert (lean[:, -3:] - plain[:, -3:]).abs().max() > 1e-2
+    _lean_is_trained(student, 4 * 2)
     with pytest.raises(ValueError, match=r"\['qkv'\].*use some of \['down_proj', 'gate_proj'"):
         trained_like(small_teachers, "llama", targets=["q_proj", "qkv"])
 
