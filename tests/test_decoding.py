@@ -368,3 +368,80 @@ def test_the_decoder_feeds_the_states_training_fed(small_teachers, monkeypatch):
             t == mask for t in ids[: len(PROMPT) + start]
         )  # a clean prefix, nothing after the block
     assert len(seen) == out.forwards and isinstance(out, Decoded)
+
+
+def _tiny_causal_lm(family: str, **extra):
+    import transformers
+
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval().requires_grad_(False)
+    with torch.no_grad():  # weights far from init: q/k norms, biases and norms that are not ones or zeros
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("llama", {"attention_bias": True}),
+        ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+    ],
+)
+@pytest.mark.parametrize("packed", [False, True])
+def test_lean_ar_step_is_the_library_forward(family, extra, packed):
+    """The lean one-token step (ar:greedy's) gives the library forward's logits at every position
+    (teacher-forced over 40 tokens after a prompt) and the same greedy tokens; models it does not
+    reproduce keep the library forward."""
+    from transformers import DynamicCache
+
+    from a2d.models.ar import LeanStep, lean_step
+
+    model = _tiny_causal_lm(family, **extra)
+    if packed:
+        cpu_kernels.pack(model)
+    fast = lean_step(model)
+    assert fast is not None
+    gen = torch.Generator().manual_seed(1)
+    prompt, forced = torch.randint(0, 300, (9,), generator=gen), torch.randint(0, 300, (40,), generator=gen)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt[None], cache=cache, use_cache=True)
+        state = fast.start(cache, 9 + 40)  # the lean buffers copy the prompt's K/V; the library cache goes on
+        for t in forced.tolist():
+            want = model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
+            torch.testing.assert_close(fast.step(state, t), want, atol=2e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="past the 49"):
+            fast.step(state, 0)
+    lean, library = (
+        ar_decode(model, prompt.tolist(), 30, []),
+        ar_decode(model, prompt.tolist(), 30, [], lean=False),
+    )
+    assert lean.tokens == library.tokens and lean.forwards == library.forwards == 30
+    assert not LeanStep.supports(_tiny_causal_lm(family, **extra).to(torch.bfloat16))
+
+
+def test_lean_ar_step_leaves_other_models_to_the_library(small_teachers):
+    from a2d.models.ar import lean_step
+    from a2d.models.teacher import load_teacher
+
+    hybrid, _ = load_teacher(small_teachers / "qwen3_5", device="cpu")
+    llama, _ = load_teacher(small_teachers / "llama", device="cpu")
+    student = trained_like(small_teachers, "llama")
+    assert lean_step(hybrid) is None and lean_step(llama) is not None
+    with student.base() as model:
+        assert lean_step(model) is None  # PEFT-wrapped projections
