@@ -212,6 +212,26 @@ class AnchorReader:
         w = self._index[sample_id]
         return self._decode(w.shard, slice(w.start, w.end), self._layer_pos(layers))
 
+    def samples(self, sample_ids: list[str], layers: list[int]) -> list[torch.Tensor]:
+        """`sample` for many samples, one read per shard (the rows spanning them) instead of one per
+        sample: loading a drafter's 444 training samples took 33 s in per-sample Zarr calls."""
+        missing = [sid for sid in sample_ids if sid not in self._index]
+        if missing:
+            raise KeyError(f"samples {missing[:3]} have no anchors in {self.loc.uri}")
+        pos = self._layer_pos(layers)
+        by_shard: dict[str, list[str]] = {}
+        for sid in sample_ids:
+            by_shard.setdefault(self._index[sid].shard, []).append(sid)
+        out: dict[str, torch.Tensor] = {}
+        for shard, sids in by_shard.items():
+            lo = min(self._index[sid].start for sid in sids)
+            hi = max(self._index[sid].end for sid in sids)
+            block = self._decode(shard, slice(lo, hi), pos)  # (rows, L, H)
+            for sid in sids:
+                w = self._index[sid]
+                out[sid] = block[w.start - lo : w.end - lo].clone()  # its own storage: the block is freed
+        return [out[sid] for sid in sample_ids]
+
     def at(self, sample_id: str, layers: list[int], positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """The stored states of one sample at the given absolute token positions (those stored).
 

@@ -139,9 +139,8 @@ def load_sequences(
     reader: AnchorReader, rows: list[dict], layers: list[int], dtype: torch.dtype
 ) -> list[Sequence]:
     out = []
-    for r in rows:
-        tokens = list(r["prompt_ids"]) + list(r["response_ids"])
-        feats = reader.sample(r["sample_id"], layers)  # (T, K, H)
+    for r, feats in zip(rows, reader.samples([r["sample_id"] for r in rows], layers), strict=True):
+        tokens = list(r["prompt_ids"]) + list(r["response_ids"])  # feats: (T, K, H)
         if feats.shape[0] != len(tokens):
             raise AnchorMismatchError(
                 f"anchors of {r['sample_id']} hold {feats.shape[0]} positions, its prompt+response has "

@@ -95,6 +95,13 @@ def test_reader_round_trip_and_provenance_checks(anchored, captured):
     rows, want = captured
     got = torch.cat([reader.sample(r["sample_id"], [0, 31, 63]) for r in rows])
     assert got.shape == want.shape and torch.equal(got, want)
+    # the bulk read (one per shard), in an order across shards, is each sample's own read
+    ids = [r["sample_id"] for r in rows][::-1][:5] + reader.sample_ids[:2]
+    bulk = reader.samples(ids, [63, 0])
+    assert all(torch.equal(b, reader.sample(sid, [63, 0])) for b, sid in zip(bulk, ids, strict=True))
+    assert [b.shape[0] for b in bulk] == [reader.sample(sid, [0]).shape[0] for sid in ids]
+    with pytest.raises(KeyError, match="have no anchors"):
+        reader.samples(["nope"], [0])
     sid = reader.sample_ids[0]
     one = reader.get(sid, 31)
     both = reader.sample(sid, [0, 63])
@@ -127,6 +134,7 @@ def test_int8_anchors_are_close_and_smaller(anchored, captured):
     # against the captured states: each value within half an int8 step of its token-layer's absmax
     rows, want = captured
     got = torch.cat([i8.sample(r["sample_id"], [0, 31, 63]) for r in rows])
+    assert torch.equal(torch.cat(i8.samples([r["sample_id"] for r in rows], [0, 31, 63])), got)  # bulk int8
     step = want.abs().amax(-1, keepdim=True) / 127  # (T, L, 1): the int8 step is at most this
     assert got.shape == want.shape and bool(((got - want).abs() <= 0.5 * step + 1e-3 * step + 1e-6).all())
     assert st.manifest(ref8)["bytes"] < st.manifest(refs["anchors"])["bytes"]
