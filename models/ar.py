@@ -155,10 +155,11 @@ class LeanStep:
 
 
 def lean_step(model: nn.Module) -> LeanStep | None:
-    """The model's `LeanStep` (made once and kept on it), or None where the library forward runs."""
-    if "_a2d_lean" not in model.__dict__:
-        model.__dict__["_a2d_lean"] = LeanStep(model) if LeanStep.supports(model) else None
-    return model.__dict__["_a2d_lean"]
+    """A `LeanStep` over the model's modules as they are now, or None where the library forward runs.
+
+    Made per decode, not kept on the model: PEFT wraps, packing replaces and `.to()` converts
+    modules in place, and a kept step would go on calling the modules it was made over."""
+    return LeanStep(model) if LeanStep.supports(model) else None
 
 
 @torch.no_grad()

@@ -445,3 +445,15 @@ def test_lean_ar_step_leaves_other_models_to_the_library(small_teachers):
     assert lean_step(hybrid) is None and lean_step(llama) is not None
     with student.base() as model:
         assert lean_step(model) is None  # PEFT-wrapped projections
+    # a model adapted in place after a lean decode: the next decode runs the adapted model
+    from peft import LoraConfig, inject_adapter_in_model
+
+    plain = _tiny_causal_lm("llama")
+    prompt = list(range(5, 14))
+    before = ar_decode(plain, prompt, 20, []).tokens
+    inject_adapter_in_model(
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False), plain
+    )
+    after = ar_decode(plain, prompt, 20, [])
+    assert lean_step(plain) is None and after.tokens != before
+    assert after.tokens == ar_decode(plain, prompt, 20, [], lean=False).tokens
