@@ -213,8 +213,8 @@ class AnchorReader:
         return self._decode(w.shard, slice(w.start, w.end), self._layer_pos(layers))
 
     def samples(self, sample_ids: list[str], layers: list[int]) -> list[torch.Tensor]:
-        """`sample` for many samples, one read per shard (the rows spanning them) instead of one per
-        sample: loading a drafter's 444 training samples took 33 s in per-sample Zarr calls."""
+        """`sample` for many samples, one read per shard (of just those samples' rows) instead of one
+        per sample: loading a drafter's 444 training samples took 33 s in per-sample Zarr calls."""
         missing = [sid for sid in sample_ids if sid not in self._index]
         if missing:
             raise KeyError(f"samples {missing[:3]} have no anchors in {self.loc.uri}")
@@ -224,12 +224,13 @@ class AnchorReader:
             by_shard.setdefault(self._index[sid].shard, []).append(sid)
         out: dict[str, torch.Tensor] = {}
         for shard, sids in by_shard.items():
-            lo = min(self._index[sid].start for sid in sids)
-            hi = max(self._index[sid].end for sid in sids)
-            block = self._decode(shard, slice(lo, hi), pos)  # (rows, L, H)
-            for sid in sids:
-                w = self._index[sid]
-                out[sid] = block[w.start - lo : w.end - lo].clone()  # its own storage: the block is freed
+            where = [self._index[sid] for sid in sids]
+            rows = np.concatenate([np.arange(w.start, w.end) for w in where])  # not the rows between them
+            if rows.size == 0:
+                out.update((sid, self._decode(shard, slice(0, 0), pos)) for sid in sids)
+                continue
+            block = self._decode(shard, rows, pos)  # (rows, L, H)
+            out.update(zip(sids, torch.split(block, [w.end - w.start for w in where]), strict=True))
         return [out[sid] for sid in sample_ids]
 
     def at(self, sample_id: str, layers: list[int], positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
