@@ -10,10 +10,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from matplotlib import rcParams
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from a2d.models.metrics import group_families
 
 NONE_MARK = "—"
@@ -130,6 +126,12 @@ def plot_speed_quality(decoders: Mapping[str, Mapping[str, Any]], path: str) -> 
     Circles are token agreement with the teacher; squares are answer accuracy where a decoder has it.
     A family's points are joined in order of TPF so each line is that family's speed-quality curve.
     """
+    # matplotlib is imported here, not with the module: ~1.8 s that every process importing the
+    # flows (each served run, each CLI call) would pay for a plot only the eval stage draws.
+    from matplotlib import rcParams
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     decoders = ran(decoders)
     fig = Figure(figsize=(7.5, 5.0), dpi=120)
     FigureCanvasAgg(fig)
