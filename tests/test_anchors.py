@@ -162,9 +162,12 @@ def test_sigkill_mid_anchors_then_rerun_matches_uninterrupted(tmp_path, anchored
     clean, _, clean_refs = anchored  # the uninterrupted run: the module's own
     killed, small = str(tmp_path / "killed"), [*SMALL, "anchors.layers=[0, 31, -1]"]
     args = ["run", f"{ROOT}/configs/tiny.yaml", "--until", "anchors", *sum((["--set", s] for s in small), [])]
+    from prefect.settings import PREFECT_API_URL
+
+    # The session's server (a temporary one of its own would take ~20 s to start); its own process
+    # group, so that whatever it starts dies with it (killpg below).
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "ph"), "PYTHONPATH": ROOT}
-    env.pop("PREFECT_API_URL", None)
-    # Its own session, so that the temporary Prefect server it starts dies with it (killpg below).
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLER, *args, "--store", killed], env=env, cwd=ROOT, start_new_session=True
     )

@@ -490,21 +490,12 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             client.create_flow_run_from_deployment(deployment.id, parameters=odd)
         assert len(client.read_flow_runs(deployment_filter=only_this)) == runs_before == 2
 
-        # A valid value the serve policy does not allow (another store root) is refused by the run
-        # itself before any work: nothing is written there (the other rules: the unit tests below).
-        foreign = tmp_path / "foreign"
-        outside = {**params, "config": {**params["config"], "store": str(foreign)}}
-        flow_run = run_deployment("pipeline/e2e", parameters=outside, timeout=300, poll_interval=1)
-        assert flow_run.state.is_failed() and "not an allowed store root" in flow_run.state.message
-        assert not foreign.exists()
-
-        # A run whose process is SIGKILLed mid-stage is marked Crashed; Retry (what the UI's button
-        # sends) resumes it from the shards that were finished.
+        # A run whose process is SIGKILLed mid-stage (responses, one shard per prompts shard) is marked
+        # Crashed; Retry (what the UI's button sends) resumes it from the shards that were finished.
         crash = {
             **params,
             "config": {
                 **params["config"],
-                "prompts": {**params["config"]["prompts"], "rows_per_shard": 1},
                 "responses": {**params["config"]["responses"], "max_new_tokens": 48},
             },
             "until": "responses",
@@ -516,8 +507,20 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         while not _finished(markers):  # a marker's atomic-write temp file is not a finished shard
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.05)
-        for pid in _run_processes(serve.pid, flow_run.id):  # the run's process and any it started
+        running = _run_processes(serve.pid, flow_run.id)  # the run's process and any it started
+        # The run's process carries the serve policy (what it refuses before any work, e.g. another
+        # store root: test_a_served_run_outside_the_policy_fails_before_any_work).
+        from a2d.flows.policy import POLICY_ENV, policy_for
+        from a2d.specs import ServePolicy
+
+        environ = dict(
+            v.split(b"=", 1)
+            for v in Path(f"/proc/{running[0]}/environ").read_bytes().split(b"\0")
+            if b"=" in v
+        )
+        for pid in running:
             os.kill(pid, signal.SIGKILL)
+        assert ServePolicy.model_validate_json(environ[POLICY_ENV.encode()]) == policy_for(config)
         done_before = len(_finished(markers))
         _wait_for_state(client, flow_run.id, "CRASHED", 60)
         shards = len(_finished(store / "prompts" / crash_refs["prompts"].key / "_markers"))

@@ -145,6 +145,7 @@ def test_dask_fan_out_matches_threads(tmp_path):
 @pytest.mark.slow
 def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_process(tmp_path):
     from a2d.tasks.head import launch_command, run_training
+    from a2d.tasks.train_head import train
     from tests.test_head import _job
 
     store = str(tmp_path / "store")
@@ -172,7 +173,7 @@ def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_proces
         "accelerate.commands.launch",
         "--num_processes",
     ]
-    run_training(one)
+    train(one)  # the 1-process reference in this process: the trainer's code without a launch
     # the 2-process run is stopped after step 1 (its checkpoint), then resumed by 2 processes
     run_training(two.model_copy(update={"stop_after": 1}))
     assert checkpoints.latest(tmp_path / "two" / "checkpoints").name == "step-00000001"
