@@ -22,7 +22,7 @@ os.environ.setdefault("A2D_CACHE", os.path.join(_HOME, "a2d-cache"))
 # The packed oneDNN path wherever it applies (not this machine's timed choice, which could leave the
 # packed path untested); test_drafter checks the per-row-count choice itself.
 os.environ.setdefault("A2D_CPU_LINEAR", "packed")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker or more per core: one thread each
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (and for the processes a test starts)
 
 import pytest  # noqa: E402
@@ -30,6 +30,33 @@ import pytest  # noqa: E402
 from a2d.specs import PipelineConfig, load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# Seconds each of the slowest files takes on 2 busy cores (summed `--durations=0`, 2026-12-03). `make
+# test` hands whole files to its workers in this order (`--dist loadfile --no-loadscope-reorder`):
+# longest first, so the last file a worker starts is a short one and no worker waits long for the
+# others at the end (xdist's default order is by test count, whatever a file's duration).
+FILE_SECONDS = {
+    "test_deployments.py": 390,
+    "test_head.py": 330,
+    "test_scale.py": 285,
+    "test_vfm_eval.py": 275,
+    "test_anchors.py": 140,
+    "test_teacher.py": 55,
+    "test_cli.py": 50,
+    "test_store.py": 45,
+    "test_store_faults.py": 40,
+    "test_trajectories.py": 35,
+    "test_responses.py": 30,
+    "test_packaging.py": 30,
+    "test_decoding.py": 25,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files longest first (`FILE_SECONDS`; the rest after, as collected); tests keep their order."""
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, 0), order[item]))
 
 
 @pytest.fixture(scope="session", autouse=True)
