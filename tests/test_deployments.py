@@ -513,11 +513,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         from a2d.flows.policy import POLICY_ENV, policy_for
         from a2d.specs import ServePolicy
 
-        environ = dict(
-            v.split(b"=", 1)
-            for v in Path(f"/proc/{running[0]}/environ").read_bytes().split(b"\0")
-            if b"=" in v
-        )
+        environ = _environ(running[0])
         for pid in running:
             os.kill(pid, signal.SIGKILL)
         assert ServePolicy.model_validate_json(environ[POLICY_ENV.encode()]) == policy_for(config)
@@ -555,6 +551,12 @@ def _finished(markers: Path) -> list[Path]:
     return sorted(p for p in markers.iterdir() if p.suffix == ".json") if markers.is_dir() else []
 
 
+def _environ(pid: int) -> dict[bytes, bytes]:
+    """The environment process `pid` started with."""
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.split(b"=", 1) for p in pairs if b"=" in p)
+
+
 def _run_processes(root: int, flow_run_id) -> list[int]:
     """The processes under `root` that run `flow_run_id`: the one the runner started for it (it
     carries the run's id in its environment) and every process below that one."""
@@ -562,8 +564,7 @@ def _run_processes(root: int, flow_run_id) -> list[int]:
     while pending:
         pid = pending.pop()
         with suppress(OSError):
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            if _environ(pid).get(b"PREFECT__FLOW_RUN_ID") == str(flow_run_id).encode():
                 found.append(pid)
             for task_dir in Path(f"/proc/{pid}/task").iterdir():
                 pending += [int(c) for c in (task_dir / "children").read_text().split()]
