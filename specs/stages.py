@@ -122,11 +122,33 @@ class TeacherSpec(Spec):
         return data
 
 
+class MixturePart(Spec):
+    """One source of a prompt mixture and how many of its rows to take."""
+
+    source: Literal["bundled", "stdlib_code", "python_docs"] = Field(
+        description="bundled checkable prompts; functions of the standard library's source to complete; "
+        "passages of the interpreter's own documentation (pydoc_data.topics)"
+    )
+    rows: int = Field(ge=1, le=100_000, description="Rows taken from this source (train and held out)")
+    eval_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="Share held out: whole modules (code) or topics (docs) are held out, bundled rows by id",
+    )
+
+
 class PromptSpec(Spec):
     """Which prompts, tokenised how; every field is part of the prompts key (with the file hashes)."""
 
-    source: Literal["bundled", "files", "hub"] = Field(
-        "bundled", description="Bundled checkable prompts, local files or a hub dataset"
+    source: Literal["bundled", "files", "hub", "mixture"] = Field(
+        "bundled",
+        description="Bundled checkable prompts, local files, a hub dataset, or a mixture of offline sources",
+    )
+    mixture: tuple[MixturePart, ...] = Field(
+        (),
+        description="mixture: the parts (source and rows each); the bundled part uses bundled_seed and "
+        "bundled_style",
     )
     bundled_rows: int = Field(240, ge=1, le=100_000, description="bundled: number of generated prompts")
     bundled_seed: int = Field(0, ge=0, description="bundled: generator seed")
@@ -158,6 +180,14 @@ class PromptSpec(Spec):
             raise ValueError("prompts.source=files needs prompts.files (one or more local paths)")
         if self.source == "hub" and not self.hub_id:
             raise ValueError("prompts.source=hub needs prompts.hub_id")
+        if self.source == "mixture" and not self.mixture:
+            raise ValueError(
+                "prompts.source=mixture needs prompts.mixture, e.g. [{source: stdlib_code, rows: 200}]"
+            )
+        if self.mixture and self.source != "mixture":
+            raise ValueError(
+                f"prompts.mixture is set but prompts.source={self.source!r}: set source: mixture"
+            )
         return self
 
 
@@ -375,7 +405,7 @@ class DrafterSpec(Spec):
 # Names the decoder registry (a2d.models.decoders) builds without extra resources; the form refuses others.
 DECODER_NAME = (
     r"^(ar:greedy|ar:student-base|ar:prompt-lookup|hf:prompt-lookup|spec:head|spec:head\+lookup|spec:vfm|"
-    r"spec:drafter|head:k1|untrained:k1|threshold:[0-9]*\.?[0-9]+|entropy:[0-9]*\.?[0-9]+|vfm:k[1-9][0-9]*)$"
+    r"spec:drafter|spec:drafter\+lookup|head:k1|untrained:k1|threshold:[0-9]*\.?[0-9]+|entropy:[0-9]*\.?[0-9]+|vfm:k[1-9][0-9]*)$"
 )
 
 
@@ -396,10 +426,10 @@ class EvalSpec(Spec):
         description="lm-evaluation-harness tasks run on the head (e.g. a2d_bundled, gsm8k_cot); needs a2d-pipeline[eval]",
     )
     lm_eval_limit: int | None = Field(None, ge=1, description="lm-eval: documents per task (unset = all)")
-    lm_eval_decoder: str = Field(
-        "spec:head",
-        pattern=DECODER_NAME,
-        description="lm-eval: the a2d decoder that generates (a name from a2d.models.decoders, e.g. spec:head)",
+    lm_eval_decoder: Annotated[str, Field(pattern=DECODER_NAME)] | None = Field(
+        None,
+        description="lm-eval: the a2d decoder that generates (a name from a2d.models.decoders); unset = the "
+        "default lossless one (spec:drafter+lookup where a drafter exists, else spec:head+lookup)",
     )
     untrained_baseline: bool = Field(
         True,

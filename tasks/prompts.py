@@ -17,7 +17,7 @@ from jinja2 import TemplateError
 from prefect import task
 
 from a2d.specs import PromptSpec, TeacherSpec
-from a2d.stores import bundled
+from a2d.stores import bundled, corpora
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs, sha256_file_cached
 from a2d.stores.parquet import TOKENS, write_shard
@@ -61,6 +61,9 @@ def source_identity(spec: PromptSpec) -> dict[str, Any]:
     """Content hashes of local files, so an edited file gives a new key even under the same name."""
     if spec.source == "files":
         return {"file_sha256": [sha256_file_cached(p) for p in validated_files(spec)]}
+    if spec.source == "mixture":  # the text itself: another Python's stdlib or docs give another key
+        used = sorted({p.source for p in spec.mixture} & set(corpora.SOURCES))
+        return {"source_sha256": {s: corpora.fingerprint(s) for s in used}}
     return {}
 
 
@@ -70,6 +73,8 @@ def key_inputs(spec: PromptSpec, teacher_key: str) -> KeyInputs:
     payload["files"] = [Path(f).name for f in spec.files]  # the content hash, not the path, matters
     if spec.bundled_style == "answer":  # the style before there was a choice: older keys stay valid
         payload.pop("bundled_style")
+    if not spec.mixture:  # nor did the mixture exist
+        payload.pop("mixture")
     return KeyInputs(STAGE, FORMAT_VERSION, payload, {"teacher": teacher_key})
 
 
@@ -171,6 +176,8 @@ def _source_rows_cached(spec_json: str, identity_json: str) -> tuple[tuple[dict[
     rejected: Counter = Counter()
     if spec.source == "bundled":
         return tuple(bundled.generate(spec.bundled_rows, spec.bundled_seed, spec.bundled_style)), ()
+    if spec.source == "mixture":
+        return tuple(mixture_rows(spec)), ()
     if spec.source == "hub":
         ds = load_dataset(spec.hub_id, revision=spec.hub_revision, split=spec.split)
         return tuple({"__row__": f"row-{i:06d}", **row} for i, row in enumerate(ds)), ()
@@ -190,6 +197,19 @@ def _source_rows_cached(spec_json: str, identity_json: str) -> tuple[tuple[dict[
                 line = row.pop("__line__")
                 rows.append({"__row__": f"{name}-{line:06d}", **row})
     return tuple(rows), tuple(sorted(rejected.items()))
+
+
+def mixture_rows(spec: PromptSpec) -> list[dict[str, Any]]:
+    """Every part's rows, in the mixture's order. Code and docs rows carry their split (`__split__`:
+    held out by module or topic); bundled rows are split by id, at their part's fraction."""
+    rows: list[dict[str, Any]] = []
+    for part in spec.mixture:
+        if part.source == "bundled":
+            for r in bundled.generate(part.rows, spec.bundled_seed, spec.bundled_style):
+                rows.append({**r, "__split__": split_of(r["id"], part.eval_fraction)})
+        else:
+            rows.extend(corpora.sample(part.source, part.rows, part.eval_fraction, spec.bundled_seed))
+    return rows
 
 
 def sample_id(row: dict[str, Any]) -> str:
@@ -238,12 +258,12 @@ def source_rows(spec: PromptSpec) -> tuple[list[dict[str, Any]], Counter]:
     """Every distinct source row (as dicts) and rejections found while reading (non-UTF-8 lines, duplicates)."""
     ident = json.dumps(source_identity(spec), sort_keys=True)
     rows, pre = _source_rows_cached(spec.model_dump_json(), ident)
-    if spec.source != "bundled" and rows and spec.prompt_column not in rows[0]:
+    if spec.source not in ("bundled", "mixture") and rows and spec.prompt_column not in rows[0]:
         cols = sorted(k for k in rows[0] if k != "__row__")
         raise ValueError(
             f"prompts.prompt_column={spec.prompt_column!r} is not a column of the dataset; columns are {cols}"
         )
-    column = "prompt" if spec.source == "bundled" else spec.prompt_column
+    column = "prompt" if spec.source in ("bundled", "mixture") else spec.prompt_column
     kept, duplicates = deduplicate(list(rows), column)
     check_unique_ids(kept)
     return kept, Counter({**dict(pre), "duplicate": duplicates})
@@ -303,7 +323,7 @@ def tokenise_rows(rows: list[dict[str, Any]], spec: PromptSpec, tok: Any) -> tup
             continue
         sid = sample_id(row)
         cols["sample_id"].append(sid)
-        cols["split"].append(split_of(sid, spec.eval_fraction))
+        cols["split"].append(row.get("__split__") or split_of(sid, spec.eval_fraction))
         cols["prompt_text"].append(text)
         cols["prompt_ids"].append(ids)
         cols["reference_response"].append(

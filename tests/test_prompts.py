@@ -216,3 +216,58 @@ def test_prompts_are_deduplicated_before_the_split(teacher):
     }
     assert len(table) == 235 and len(set(texts["train"] + texts["eval"])) == 235
     assert not set(texts["eval"]) & set(texts["train"]) and texts["eval"]
+
+
+def test_a_mixture_holds_out_whole_modules_and_topics(teacher):
+    """No function of a held-out module and no passage of a held-out topic reaches training: the
+    prompts flow's eval rows of the code and docs parts share no module or topic with its train rows
+    (read back from the artifact), and every part gives rows of both splits."""
+    import re
+
+    from a2d.stores.corpora import doc_passages, held_out, prompt_set, stdlib_functions
+
+    store, cfg, tref = teacher
+    spec = PromptSpec(
+        source="mixture",
+        mixture=(
+            {"source": "bundled", "rows": 40, "eval_fraction": 0.2},
+            {"source": "stdlib_code", "rows": 60, "eval_fraction": 0.2},
+            {"source": "python_docs", "rows": 40, "eval_fraction": 0.2},
+        ),
+        max_prompt_tokens=256,
+        rows_per_shard=50,
+    )
+    ref = prompts_flow(tref, spec, cfg.teacher, store)
+    table = read_prompts(ArtifactStore(store), ref).to_pylist()
+    group = {"code": lambda sid: sid.split(":")[1].split(".")[0], "docs": lambda sid: sid.split(":")[1]}
+    for kind in ("code", "docs"):
+        rows = [r for r in table if r["kind"] == kind]
+        by_split = {
+            s: {group[kind](r["sample_id"]) for r in rows if r["split"] == s} for s in ("train", "eval")
+        }
+        assert by_split["train"] and by_split["eval"], kind
+        assert not by_split["train"] & by_split["eval"], kind
+        assert all(held_out(g, 0.2) for g in by_split["eval"]) and not any(
+            held_out(g, 0.2) for g in by_split["train"]
+        )
+    assert {prompt_set(r["kind"]) for r in table} == {"bundled", "code", "docs"}
+    assert {r["split"] for r in table if r["kind"] not in ("code", "docs")} == {"train", "eval"}
+    # the whole pools: every function of a held-out module and every passage of a held-out topic is
+    # out of training, wherever a mixture samples them from
+    train_text = {r["prompt_text"] for r in table if r["split"] == "train"}
+    for row in (*stdlib_functions(), *doc_passages()):
+        if held_out(row["group"], 0.2):
+            assert not any(row["prompt"] in t for t in train_text)
+    code = next(r for r in table if r["kind"] == "code")
+    assert re.search(r"```python\n(async def |def |@)", code["prompt_text"]), code["prompt_text"]
+
+
+def test_a_mixture_key_holds_every_part():
+    base = PromptSpec(source="mixture", mixture=({"source": "stdlib_code", "rows": 10},))
+    more = PromptSpec(source="mixture", mixture=({"source": "stdlib_code", "rows": 11},))
+    other = PromptSpec(source="mixture", mixture=({"source": "python_docs", "rows": 10},))
+    keys = {key_inputs(s, "t" * 16).key for s in (base, more, other)}
+    assert len(keys) == 3
+    assert key_inputs(PromptSpec(), "t" * 16).key == key_inputs(PromptSpec(mixture=()), "t" * 16).key
+    with pytest.raises(ValueError, match="source: mixture"):
+        PromptSpec(mixture=({"source": "stdlib_code", "rows": 10},))
