@@ -105,21 +105,25 @@ class LeanStep:
             if m is not None
         )
 
+    def empty(self, total: int) -> LeanState:
+        """Zeroed buffers and RoPE tables for `total` positions, nothing cached yet."""
+        ref = self.inner.embed_tokens.weight
+        shape = (1, self.kv_heads, total, self.head_dim)
+        keys = [ref.new_zeros(shape) for _ in self.layers]
+        values = [ref.new_zeros(shape) for _ in self.layers]
+        cos, sin = self.inner.rotary_emb(ref[:1], torch.arange(total, device=ref.device)[None])
+        return LeanState(keys, values, cos[0], sin[0], 0)
+
     def start(self, cache, total: int) -> LeanState:
         """Take over `cache` (the prompt's K/V), with room for `total` positions in all."""
         pos = cache.get_seq_length()
         if len(cache.layers) != len(self.layers) or pos >= total:
             raise ValueError(f"cache of {len(cache.layers)} layers, {pos} positions: cannot hold {total}")
-        keys, values = [], []
-        for layer in cache.layers:
-            k = layer.keys.new_zeros(1, self.kv_heads, total, self.head_dim)
-            v = layer.values.new_zeros(1, self.kv_heads, total, self.head_dim)
+        state = self.empty(total)
+        for k, v, layer in zip(state.keys, state.values, cache.layers, strict=True):
             k[:, :, :pos], v[:, :, :pos] = layer.keys, layer.values
-            keys.append(k)
-            values.append(v)
-        ref = self.inner.embed_tokens.weight
-        cos, sin = self.inner.rotary_emb(ref[:1], torch.arange(total, device=ref.device)[None])
-        return LeanState(keys, values, cos[0], sin[0], pos)
+        state.pos = pos
+        return state
 
     def step(self, state: LeanState, token: int) -> torch.Tensor:
         heads, kv, dim, half, pos = self.heads, self.kv_heads, self.head_dim, self.half, state.pos

@@ -40,6 +40,7 @@ import torch
 from a2d.models.block_decode import Decoded, OnStep, cut_at_eos
 from a2d.models.canvas import Canvas, truncate_attention
 from a2d.models.capture import capture_layers
+from a2d.models.lean_canvas import LeanCanvas, lean_canvas
 from a2d.models.student import Student, lm_head
 
 Runs = list[tuple[int, int]]  # (attach, length) per open run, see Canvas.forward
@@ -67,12 +68,13 @@ class Drafter:
 
     samples = False  # gives draft distributions, so it can serve temperature > 0
     forwards = 0  # forwards it ran itself, beyond the verify forwards
+    feeds_region = False  # feeds an open region (masks, noise) after its drafts: the library forward
 
     def start(self, canvas: Canvas) -> Proposal:
         """Drafts for the first forward (from the prompt alone)."""
         return Proposal()
 
-    def session(self) -> contextlib.AbstractContextManager:
+    def session(self, canvas) -> contextlib.AbstractContextManager:
         """Held around one prompt's whole decode (e.g. hooks on the verifier)."""
         return contextlib.nullcontext()
 
@@ -96,6 +98,7 @@ class HeadDrafter(Drafter):
     """The head's masks, one run per acceptance length, `masks` per run (trimmed to the budget)."""
 
     samples = True
+    feeds_region = True
 
     def __init__(self, student: Student, masks: int):
         if student.attention != "block" or not student.scope.masked:
@@ -216,6 +219,8 @@ class VFMDrafter(Drafter):
     and the z rows' predictions after it are the drafts.
     """
 
+    feeds_region = True
+
     def __init__(self, flow_map: Student, adapter: torch.nn.Module, block: int, shifted: bool):
         if not shifted:
             raise ValueError(
@@ -285,10 +290,13 @@ class DFlashDraft(Drafter):
         self.context = 0  # committed tokens whose states the drafter's context holds
         self.seconds = 0.0
 
-    def session(self) -> contextlib.AbstractContextManager:
+    def session(self, canvas) -> contextlib.AbstractContextManager:
         def keep(layer: int, hidden: torch.Tensor) -> None:
             self._fed[layer] = hidden[0]
 
+        if isinstance(canvas, LeanCanvas):  # no module runs there: the lean forward hands them over
+            canvas.taps = (self.layers, keep)
+            return contextlib.nullcontext()
         return capture_layers(self.student.inner, self.layers, keep)
 
     def observe(self, committed: torch.Tensor, rows: list[int]) -> None:
@@ -314,32 +322,40 @@ class DFlashDraft(Drafter):
     def propose(self, canvas, accepted, region, remaining, sampling) -> Proposal:
         if remaining < 2:
             return Proposal()
-        length = self.length  # the whole block, as in training; drafts past the budget are dropped
-        if self.context != len(canvas.tokens) - 1:
-            raise AssertionError(
-                f"drafter context {self.context} != committed tokens {len(canvas.tokens) - 1} - 1"
-            )
         started = time.perf_counter()
-        ids = torch.full((1, length), self.drafter.config.mask_token_id, device=self.head_weight.device)
-        ids[0, 0] = canvas.tokens[-1]
-        positions = torch.arange(self.context, self.context + length, device=ids.device)[None]
-        states = self.drafter(self.embed(ids), positions, self._kv)[0, 1:remaining]  # (D, H), D <= L - 1
-        logits = torch.nn.functional.linear(
-            states.to(self.head_weight.dtype), self.head_weight, self.head_bias
-        )
+        logits = self.draft_logits(canvas, remaining)
         if self.nodes > 0:
             proposal = self._tree(logits)
         else:
             best = logits.argmax(-1)
             proposal = Proposal((best if self.vocab is None else self.vocab.to(best.device)[best]).tolist())
-        self.forwards += 1
         self.seconds += time.perf_counter() - started
         return proposal
 
+    def draft_logits(self, canvas, remaining: int) -> torch.Tensor:
+        """One drafter forward (counted) over `[newest token, MASK x (L-1)]`: the draft head's logits
+        (D, V') of the offsets 1..D, D <= min(L - 1, remaining - 1)."""
+        length = self.length  # the whole block, as in training; drafts past the budget are dropped
+        if self.context != len(canvas.tokens) - 1:
+            raise AssertionError(
+                f"drafter context {self.context} != committed tokens {len(canvas.tokens) - 1} - 1"
+            )
+        ids = torch.full((1, length), self.drafter.config.mask_token_id, device=self.head_weight.device)
+        ids[0, 0] = canvas.tokens[-1]
+        positions = torch.arange(self.context, self.context + length, device=ids.device)[None]
+        states = self.drafter(self.embed(ids), positions, self._kv)[0, 1:remaining]  # (D, H), D <= L - 1
+        self.forwards += 1
+        return torch.nn.functional.linear(states.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+
     def _tree(self, logits: torch.Tensor) -> Proposal:
         """The `nodes` most probable paths' nodes (best-first, parents before children)."""
+        tokens, parents, _ = self._tree_nodes(logits, self.nodes)
+        return Proposal(tokens, parents=parents)
+
+    def _tree_nodes(self, logits: torch.Tensor, nodes: int) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, path log-probabilities) of the `nodes` most probable paths' nodes."""
         logp = torch.log_softmax(logits.float(), -1)  # (D, V')
-        top = logp.topk(min(self.nodes, logp.shape[-1]), -1)
+        top = logp.topk(min(nodes, logp.shape[-1]), -1)
         score, rank = top.values.tolist(), top.indices
         tokens_at = (rank if self.vocab is None else self.vocab.to(rank.device)[rank]).tolist()
         depth, width = len(score), len(score[0])
@@ -348,17 +364,19 @@ class DFlashDraft(Drafter):
         heap = [(-score[0][0], 0, 0, -1)]
         tokens: list[int] = []
         parents: list[int] = []
-        while heap and len(tokens) < self.nodes:
+        scores: list[float] = []
+        while heap and len(tokens) < nodes:
             neg, d, r, parent = heapq.heappop(heap)
             node = len(tokens)
             tokens.append(tokens_at[d][r])
             parents.append(parent)
+            scores.append(-neg)
             base = neg + score[d][r]  # the parent's (negated) score
             if r + 1 < width:
                 heapq.heappush(heap, (base - score[d][r + 1], d, r + 1, parent))
             if d + 1 < depth:
                 heapq.heappush(heap, (neg - score[d + 1][0], d + 1, 0, node))
-        return Proposal(tokens, parents=parents)
+        return tokens, parents, scores
 
 
 def accept_path(drafts: list[int], parents: list[int] | None, best: list[int]) -> list[int]:
@@ -389,17 +407,23 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     on_step: OnStep | None = None,
     draft_len: int = 8,
+    lean: bool = True,
 ) -> Decoded:
     """Decode one prompt with `drafter`'s proposals verified by the student's base (see the module doc).
 
     `draft_len` caps the drafts per verify forward (a forward's cost grows with what it is fed).
+    A plain llama-family verifier decodes on a `LeanCanvas` where the drafter feeds no open region
+    (`lean=False`: the library forward, the reference).
     """
     if temperature > 0 and not drafter.samples:
         raise ValueError(f"{type(drafter).__name__} gives no draft distribution: use it with temperature 0")
     sampling = (temperature, generator) if temperature > 0 else None
     eos = set(eos_ids)
-    canvas = Canvas(student, prompt, cached=True)
-    with drafter.session():
+    canvas = None
+    if lean and not drafter.feeds_region:
+        canvas = lean_canvas(student, prompt, len(prompt) + max_new_tokens + draft_len + 2)
+    canvas = canvas or Canvas(student, prompt, cached=True)
+    with drafter.session(canvas):
         return _decode_loop(student, canvas, max_new_tokens, eos, drafter, sampling, on_step, draft_len)
 
 

@@ -457,3 +457,51 @@ def test_lean_ar_step_leaves_other_models_to_the_library(small_teachers):
     after = ar_decode(plain, prompt, 20, [])
     assert lean_step(plain) is None and after.tokens != before
     assert after.tokens == ar_decode(plain, prompt, 20, [], lean=False).tokens
+
+
+@pytest.mark.parametrize("family, extra", [("llama", {"attention_bias": True}), ("qwen3", {})])
+def test_the_lean_canvas_is_the_library_canvas(family, extra):
+    """A verify forward on the lean canvas (the prompt, then a chain, then a tree of drafts, each
+    followed by a kept path) gives the library canvas's hidden states and layer outputs, and a
+    speculative decode gives the same tokens and forwards on both; a region of masks is refused."""
+    from a2d.models.attention import Scope
+    from a2d.models.canvas import Canvas
+    from a2d.models.lean_canvas import LeanCanvas, lean_canvas
+    from a2d.models.speculative import LookupDrafter, speculative_decode
+    from a2d.models.student import Student, StudentInfo
+
+    model = _tiny_causal_lm(family, **extra)
+    s = Student(model, None, None, StudentInfo(299, 0, [], 0, "none"), Scope(masked=True), "block", 4)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 299, (11,), generator=gen).tolist()
+    lean, ref = lean_canvas(s, prompt, 64), Canvas(s, prompt, cached=True)
+    assert isinstance(lean, LeanCanvas)
+    seen: dict[str, list] = {"lean": [], "ref": []}
+    lean.taps = ([1], lambda i, h: seen["lean"].append(h[0].clone()))
+    steps = [
+        ([], None, []),
+        ([5, 6, 7], None, [0, 1]),
+        ([8, 9, 10, 11], [-1, 0, -1, 2], [2, 3]),
+        ([], None, []),
+    ]
+    with torch.no_grad():
+        from a2d.models.capture import capture_layers
+
+        with capture_layers(model.model, [1], lambda i, h: seen["ref"].append(h[0].clone())):
+            for clean, parents, path in steps:
+                got = lean.forward(clean, [], parents=parents)
+                want = ref.forward(clean, [], parents=parents)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+                for c in (lean, ref):
+                    c.keep_path(path)
+                    c.commit([clean[i] for i in path] + [int(got[-1].argmax())])
+        for a, b in zip(seen["lean"], seen["ref"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="open region"):
+            lean.forward([], [299, 299])
+        repeating = prompt[:5] * 4
+        for p in (prompt, repeating):
+            fast = speculative_decode(s, p, 20, [], LookupDrafter(3, 4))
+            slow = speculative_decode(s, p, 20, [], LookupDrafter(3, 4), lean=False)
+            assert fast.tokens == slow.tokens == ar_decode(model, p, 20, []).tokens
+            assert fast.forwards == slow.forwards

@@ -374,19 +374,97 @@ def test_the_cpu_kernel_is_chosen_per_shape_and_row_count(monkeypatch):
 def test_spec_drafter_verifies_on_the_teacher_where_it_is_the_base(small_teachers, arch):
     """The registry's spec:drafter (a tree of drafts on llama, a chain on the hybrid) gives the base's
     tokens; on the attention-only base its verify forwards run on the teacher itself (no PEFT
-    wrappers), on the hybrid on the student (its scan wrappers hold the rollback points)."""
+    wrappers: the lean canvas over the teacher's own weights), on the hybrid on the student (its
+    scan wrappers hold the rollback points)."""
     from a2d.models import decoders as registry
+    from a2d.models import lean_canvas
     from a2d.models.teacher import load_teacher
 
     student = trained_like(small_teachers, arch)
     teacher, _ = load_teacher(small_teachers / arch, device="cpu")
-    calls = []
+    calls, lean = [], []
     hook = teacher.model.register_forward_hook(lambda *_: calls.append(1))
+    original = lean_canvas.lean_forward
+
+    def spy(step, *a, **k):
+        lean.append(step.model is teacher)
+        return original(step, *a, **k)
+
+    lean_canvas.lean_forward = spy
     try:
         res = registry.Resources(student, EOS, 16, teacher=teacher, drafter=tiny_drafter(student))
         out = registry.build("spec:drafter", res)(PROMPT)
     finally:
         hook.remove()
+        lean_canvas.lean_forward = original
     assert out.tokens == base_greedy(student, PROMPT, 16)
-    assert len(calls) == (len(out.drafted) if arch == "llama" else 0)
+    assert calls == [] and lean == ([True] * len(out.drafted) if arch == "llama" else [])
     assert max(out.drafted) == (registry.PROFILES["cpu"].tree_nodes if arch == "llama" else 3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_drafter_and_lookup_is_lossless_and_stops_feeding_drafts_that_fail(small_teachers, arch, monkeypatch):
+    """spec:drafter+lookup gives the base's tokens (a tree on llama, a chain on the hybrid). With an
+    untrained drafter on a prompt lookup cannot match, its drafts keep failing: it soon feeds no
+    node (one-token forwards) and rests the drafter, where spec:drafter feeds its whole tree every
+    forward; the forwards it runs stay close to the tokens it emits."""
+    from a2d.models import adaptive
+    from a2d.models import decoders as registry
+    from a2d.models.teacher import load_teacher
+
+    student = trained_like(small_teachers, arch)
+    teacher, _ = load_teacher(small_teachers / arch, device="cpu")
+    drafter = tiny_drafter(student)
+    made = []
+    original = adaptive.DrafterLookup.__init__
+
+    def keep(self, *a, **k):
+        original(self, *a, **k)
+        made.append(self)
+
+    # a CPU's cost of feeding (SmolLM2-like: each fed token ~10 % of a forward), not the tiny model's
+    monkeypatch.setattr(registry, "forward_cost", lambda verifier: lambda n: 1 + 0.1 * (n - 1))
+    adaptive.DrafterLookup.__init__ = keep
+    try:
+        res = registry.Resources(student, EOS, 24, teacher=teacher, drafter=drafter)
+        out = registry.build("spec:drafter+lookup", res)(PROMPT)
+    finally:
+        adaptive.DrafterLookup.__init__ = original
+    truth = base_greedy(student, PROMPT, 24)
+    assert out.tokens == truth
+    plain = registry.build("spec:drafter", res)(PROMPT)
+    assert plain.tokens == truth and min(plain.drafted[1:-3]) >= 3  # the plain drafter feeds every forward
+    fed = made[0].fed
+    # failing drafts stop being fed after a few rounds (lookup's still are, where it matches)
+    assert sum(out.drafted[6:]) * 5 <= sum(plain.drafted[6:])
+    assert sum(k > 0 for k in fed[6:]) <= 3
+    assert made[0].forwards < len(fed) // 2  # the drafter rests (probes now and then)
+    assert out.forwards <= len(out.tokens) + made[0].forwards
+
+
+def test_drafter_and_lookup_feeds_what_pays_for_the_forward(small_teachers):
+    """The choice of nodes follows expected landed drafts against the measured forward cost: the same
+    candidates are all fed where feeding is cheap, none where each token costs a forward, and a
+    lookup chain that has held is fed while drafter nodes whose drafts failed are not."""
+    from a2d.models.adaptive import DrafterLookup
+
+    student = trained_like(small_teachers, "llama")
+    drafter = tiny_drafter(student)
+    nodes = [(11, -1, 0.9), (12, 0, 0.8), (13, 1, 0.7), (14, -1, 0.05)]
+
+    def chooser(cost):
+        return DrafterLookup(student, drafter, cost, max_nodes=10)
+
+    cheap = chooser(lambda n: 1 + 0.01 * (n - 1))
+    assert cheap._choose(nodes, [])[0].tokens == [11, 12, 13, 14]
+    dear = chooser(lambda n: float(n))
+    assert dear._choose(nodes, [])[0].tokens == []
+    tree = chooser(lambda n: 1 + 0.3 * (n - 1))._choose(nodes, [])[0]
+    assert tree.tokens == [11, 12, 13] and tree.parents == [-1, 0, 1]  # the unlikely branch is left out
+    learned = chooser(lambda n: 1 + 0.3 * (n - 1))
+    learned._last = ([11, 12, 13], [0.9, 0.8, 0.7], [21, 22, 23])
+    for _ in range(6):  # the drafter's drafts fail, lookup's chain holds
+        learned._learn([21, 22, 23, 24])
+        learned._last = ([11, 12, 13], [0.9, 0.8, 0.7], [21, 22, 23])
+    chosen = learned._choose(nodes, [21, 22, 23])[0]
+    assert chosen.tokens[:3] == [21, 22, 23] and 11 not in chosen.tokens
