@@ -15,6 +15,7 @@ sequence through all four (a test checks it).
 | `spec:vfm` | yes | vfm | the VFM's one-step block drafts, the base verifies |
 | `spec:model` | yes | a draft model | an external causal LM drafts greedily, the base verifies |
 | `spec:drafter` | yes | drafter | the DFlash drafter drafts a block from the verify forward's layer outputs |
+| `spec:drafter+lookup` | yes | drafter | the drafter's tree and n-gram lookup in one tree, fed as far as measured acceptance pays for a forward's measured cost (`a2d.models.adaptive`); the default where a drafter exists |
 | `threshold:P` | no | head | block decoding, commit positions with confidence >= P |
 | `entropy:H` | no | head | block decoding, commit positions with entropy <= H (d3LLM) |
 | `head:k1` | no | head | a whole block per forward (threshold 0) |
@@ -34,6 +35,7 @@ from typing import Any
 
 from torch import nn
 
+from a2d.models.adaptive import DrafterLookup, forward_cost
 from a2d.models.ar import ar_decode, hf_prompt_lookup
 from a2d.models.block_decode import Decoded, OnStep, threshold_decode
 from a2d.models.speculative import (
@@ -73,6 +75,9 @@ PROFILES = {
 }
 
 
+ADAPTIVE_LOOKUP_LEN = 8  # lookup drafts spec:drafter+lookup may feed: its measured rates decide how many
+
+
 def profile_for(device: str) -> Profile:
     return PROFILES["cpu" if str(device).startswith("cpu") else "gpu"]
 
@@ -96,12 +101,21 @@ FAMILIES: dict[str, tuple[bool, tuple[str, ...]]] = {
     "spec:vfm": (True, ("spec-head", "vfm")),
     "spec:model": (True, ("head", "draft-model")),
     "spec:drafter": (True, ("head", "drafter")),
+    "spec:drafter+lookup": (True, ("head", "drafter")),
     "threshold": (False, ("head",)),
     "entropy": (False, ("head",)),
     "head:k1": (False, ("head",)),
     "vfm": (False, ("vfm",)),
     "untrained:k1": (False, ("head",)),
 }
+
+
+def default_decoder(res: Resources) -> str:
+    """The lossless decoder a user gets unless they name one: the drafter's tree with n-gram lookup
+    where a drafter exists, else the head's drafts with lookup, else the base alone."""
+    if res.drafter is not None:
+        return "spec:drafter+lookup"
+    return "spec:head+lookup" if res.can_verify() else "ar:student-base"
 
 
 def describe(name: str) -> DecoderInfo:
@@ -231,6 +245,14 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
     if name == "spec:drafter":
         nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
         return spec(lambda: DFlashDraft(verifier, res.drafter, prof.tree_nodes), verifier, nodes)
+    if name == "spec:drafter+lookup":
+        nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
+
+        def adaptive() -> DrafterLookup:  # the forward cost is timed on the first decode, once per model
+            cost = forward_cost(verifier)
+            return DrafterLookup(verifier, res.drafter, cost, nodes, prof.ngram, ADAPTIVE_LOOKUP_LEN)
+
+        return spec(adaptive, verifier, nodes)
     if family == "threshold":
         return threshold(lambda: s, float(arg))
     if family == "entropy":
