@@ -179,13 +179,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(_store_arg(args))
     head = find_head(store, args.head)
-    print(f"head {head.key}  decoder {args.decoder}", file=sys.stderr)
 
     def stream(piece: str) -> None:
         print(piece, end="", flush=True)
 
     gen = generate(store, head, args.prompt, args.decoder, args.max_new_tokens, args.device, stream)
     print()
+    print(f"head {head.key}  decoder {gen.decoder}", file=sys.stderr)
     if args.show_steps:
         print(render_steps(gen))
     print(
@@ -256,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--head", help="head key (a unique prefix; default: the newest complete head)")
     gen.add_argument(
         "--decoder",
-        default="spec:head+lookup",
-        help="a decoder name (a2d.models.decoders): spec:head+lookup (default: lossless, the base model's own "
-        "output), spec:head, ar:prompt-lookup, ar:student-base, threshold:0.9 (parallel, lossy), head:k1, vfm:k1, ...",
+        default=None,
+        help="a decoder name (a2d.models.decoders); default: spec:drafter+lookup where the store holds a drafter "
+        "of the head's teacher, else spec:head+lookup (both lossless: the base model's own output); others: "
+        "spec:drafter, spec:head, ar:prompt-lookup, ar:student-base, threshold:0.9 (parallel, lossy), head:k1, vfm:k1, ...",
     )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--device", default="cpu")

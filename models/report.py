@@ -19,6 +19,7 @@ NONE_MARK = "—"
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TPF", "tpf", "{:.2f}"),
     ("tokens/s", "tokens_per_s", "{:.2f}"),
+    ("× AR", "speedup_vs_ar", "{:.2f}"),
     ("token agreement", "token_agreement", "{:.3f}"),
     ("95% CI", "ci95.token_agreement", "{:.2f}"),
     ("exact match", "exact_match", "{:.3f}"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -22,12 +23,13 @@ from a2d.models.teacher import resolve_device
 from a2d.specs import EvalSpec, HeadSpec
 from a2d.stores import bundled
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.corpora import prompt_set
 from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import EVAL_SHARD, read_held_out, read_metrics, read_prompts
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import artifact_key as prefect_key
-from a2d.tasks.runtime import in_prefect_run
+from a2d.tasks.runtime import in_prefect_run, logger
 from a2d.tasks.students import head_student, load_drafter, load_flow_map, load_student, load_vfm
 
 STAGE = "eval"
@@ -57,7 +59,7 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
         return ["ar:greedy", "ar:student-base", *dict.fromkeys(chosen)]
     names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
     if with_drafter:
-        names.append("spec:drafter")
+        names[2:2] = ["spec:drafter+lookup", "spec:drafter"]  # the default decoder, then its drafter alone
     names += [f"threshold:{t:g}" for t in spec.thresholds]
     names += [f"entropy:{e:g}" for e in spec.entropy_thresholds]
     names.append("head:k1")
@@ -129,7 +131,7 @@ def run_lm_eval(
     model = A2DLM(
         store=store.root.uri,
         head=head.key,
-        decoder=spec.lm_eval_decoder,
+        decoder=spec.lm_eval_decoder,  # None: the default lossless decoder
         student=student,
         dspec=dspec,
         drafter=drafter.key if drafter is not None else None,
@@ -148,6 +150,34 @@ def run_lm_eval(
         log_samples=False,
     )
     return json.loads(json.dumps(results, default=str))
+
+
+def balanced(rows: list[dict], limit: int | None) -> list[dict]:
+    """Up to `limit` held-out rows taken in turn from each prompt set (bundled, code, docs, ...), each
+    set in stored order: a small eval of a mixture measures every set, not the first part alone."""
+    sets: dict[str, list[dict]] = {}
+    for r in rows:
+        sets.setdefault(prompt_set(r["kind"]), []).append(r)
+    turns = [r for group in itertools.zip_longest(*sets.values()) for r in group if r is not None]
+    return turns[:limit] if limit else turns
+
+
+def per_set(
+    name: str, records: list[dict], rows: list[dict], reference: list[list[int]]
+) -> dict[str, dict[str, Any]]:
+    """A decoder's summary on each prompt set of the rows (only where there are several sets), with
+    its mismatches against the reference's tokens on that set."""
+    sets: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        sets.setdefault(prompt_set(r["kind"]), []).append(i)
+    if len(sets) < 2:
+        return {}
+    out = {}
+    for s, index in sets.items():
+        summary = summarise_decoder([records[i] for i in index])
+        summary["mismatches_vs_reference"] = sum(records[i]["tokens"] != reference[i] for i in index)
+        out[f"{name} @{s}"] = summary
+    return out
 
 
 def correct(text: str, answer: str | None, kind: str | None) -> bool | None:
@@ -182,6 +212,7 @@ def run_decoder(name: str, decode: Decoder, rows: list[dict], tok: Any, spec: Ev
         **summary,
         "outputs": [rec["tokens"] for rec in records],
         "examples": [rec["text"] for rec in records[:3]],
+        "_records": records,
     }
 
 
@@ -197,8 +228,7 @@ def evaluate(
     With `out`, the evaluated rows are exported there (heldout.jsonl, lm-eval's a2d_bundled task
     format), and lm-eval's results (lm_eval.json) when `spec.lm_eval_tasks` asks for tasks.
     """
-    rows = read_held_out(store, refs["responses"])
-    rows = rows[: spec.max_samples] if spec.max_samples else rows
+    rows = balanced(read_held_out(store, refs["responses"]), spec.max_samples)
     if not rows:
         raise ValueError("no held-out prompts: raise prompts.eval_fraction so the eval split is not empty")
     student, dspec = load_student(store, refs["head"], device)
@@ -258,6 +288,14 @@ def evaluate(
             continue
         results[name] = run_decoder(name, built[name], rows, tok, spec)
         results[name]["lossless"] = registry.describe(name).lossless
+        r = results[name]
+        logger().info(
+            "eval %s: %.2f tokens/s, %.2f tokens per forward over %d prompts",
+            name,
+            r["tokens_per_s"],
+            r["tpf"],
+            len(rows),
+        )
     base_outputs = results[reference]["outputs"]
     for name in names:
         if name != reference and registry.describe(name).lossless and "outputs" in results[name]:
@@ -265,13 +303,33 @@ def evaluate(
             results[name]["mismatches_vs_reference"] = sum(
                 a != b for a, b in zip(got, base_outputs, strict=True)
             )
+    headline = registry.default_decoder(res)
+    order = [n for n in (headline, "ar:greedy") if n in results] + [
+        n for n in names if n not in (headline, "ar:greedy")
+    ]
+    sets: dict[str, Any] = {}
+    for name in (headline, "ar:greedy"):  # the default decoder and its AR baseline, per prompt set
+        if "_records" in results.get(name, {}):
+            sets.update(per_set(name, results[name]["_records"], rows, base_outputs))
+    for result in results.values():
+        result.pop("_records", None)
+    for name, summary in sets.items():  # speed against AR on the same set
+        ar = sets.get(f"ar:greedy @{name.split(' @')[1]}", {})
+        if ar.get("tokens_per_s"):
+            summary["speedup_vs_ar"] = round(summary["tokens_per_s"] / ar["tokens_per_s"], 4)
+    ar_rate = results.get("ar:greedy", {}).get("tokens_per_s")
+    for summary in results.values():
+        if ar_rate and "tokens_per_s" in summary:
+            summary["speedup_vs_ar"] = round(summary["tokens_per_s"] / ar_rate, 4)
     metric, why = aup_metric(results)
     ranked = {k: v for k, v in results.items() if "tpf" in v}
     aup = family_aup(ranked, metric) if metric else {}
     return {
-        "decoder_order": names,
+        "decoder_order": order[:1] + [s for s in sets if s.startswith(f"{headline} @")] + order[1:],
+        "default_decoder": headline,
         "reference": reference,
-        "decoders": results,
+        "decoders": {**results, **{s: v for s, v in sets.items() if s.startswith(f"{headline} @")}},
+        "sets": sets,
         "aup": aup,
         "aup_metric": metric,
         "aup_metric_reason": why,
@@ -379,7 +437,9 @@ def publish_report(doc: dict[str, Any], refs: dict[str, ArtifactRef], out: Path)
     """metrics.json, report.md and the plot into the shard folder; their checksums."""
     (out / "metrics.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
     (out / "report.md").write_text(report_text(doc, refs))
-    plot_speed_quality(doc["decoders"], str(out / "speed_quality.png"))
+    plot_speed_quality(
+        {n: s for n, s in doc["decoders"].items() if " @" not in n}, str(out / "speed_quality.png")
+    )
     return {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
 
 

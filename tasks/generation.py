@@ -7,8 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from a2d.models import decoders as registry
+from a2d.models import teacher as tm
 from a2d.models.generate import eos_ids
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
+from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
 
 
@@ -19,6 +21,7 @@ class Generation:
     forwards: int
     seconds: float
     steps: list[list[int]] = field(default_factory=list)  # per forward, the response positions it committed
+    decoder: str = ""  # the registry name that decoded it
     pieces: list[str] = field(default_factory=list)  # per response position, its text
 
     @property
@@ -51,13 +54,17 @@ def generate(
     store: ArtifactStore,
     head: ArtifactRef,
     prompt: str,
-    decoder: str = "spec:head+lookup",
+    decoder: str | None = None,
     max_new_tokens: int = 64,
     device: str = "cpu",
     on_text: Callable[[str], None] | None = None,
 ) -> Generation:
     """Answer one prompt (templated with the teacher's chat template) with the head's student and
-    the decoder `decoder` from the registry (`a2d.models.decoders`)."""
+    the decoder `decoder` from the registry (`a2d.models.decoders`); unset, the default lossless one
+    (`registry.default_decoder`: spec:drafter+lookup where the store holds a drafter of the teacher)."""
+    teacher = store.ref("teacher", store.manifest(head)["upstream"]["teacher"])
+    if decoder is None:
+        decoder = "spec:drafter+lookup" if has_drafter(store, teacher) else "spec:head+lookup"
     registry.describe(decoder)  # an unknown name is refused before the model loads
     student, dspec = load_student(store, head, device)
     tok = student.tok
@@ -78,16 +85,21 @@ def generate(
     if registry.describe(decoder).family in ("vfm",) or decoder == "spec:vfm":
         ref = newest_vfm(store, head)
         vfm = (load_vfm(store, ref, device), load_flow_map(store, ref, student, device))
-    drafter = None
+    drafter, plain = None, None
     if "drafter" in registry.describe(decoder).needs:
-        teacher = store.ref("teacher", store.manifest(head)["upstream"]["teacher"])
         drafter = load_drafter(store, newest_drafter(store, teacher), teacher, device)
+        if student.info.quantization == "none":  # the teacher is the base: it verifies, no PEFT wrappers
+            remote = teacher_stage.trusts_remote_code(store, teacher)
+            plain, _ = tm.load_teacher(
+                teacher_stage.local_dir(store, teacher), device=device, trust_remote_code=remote
+            )
     res = registry.Resources(
         student,
         eos,
         max_new_tokens,
         device=device,
         vfm=vfm,
+        teacher=plain,
         drafter=drafter,
         pad_id=tok.pad_token_id,
         logit_alignment=dspec.logit_alignment,
@@ -102,7 +114,7 @@ def generate(
     if on_text is not None and final.startswith(shown[0]):
         on_text(final[len(shown[0]) :])
     pieces = [tok.decode([t]) for t in out.tokens]
-    return Generation(final, out.tokens, out.forwards, seconds, steps, pieces)
+    return Generation(final, out.tokens, out.forwards, seconds, steps, pieces, decoder)
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:
@@ -125,6 +137,14 @@ def newest_vfm(store: ArtifactStore, head: ArtifactRef) -> ArtifactRef:
     if not vfms:
         raise ValueError(f"no vfm artifact of head {head.key}: run `a2d run CONFIG --until vfm` first")
     return max(vfms, key=lambda r: store.manifest(r)["created"])
+
+
+def has_drafter(store: ArtifactStore, teacher: ArtifactRef) -> bool:
+    try:
+        newest_drafter(store, teacher)
+    except ValueError:
+        return False
+    return True
 
 
 def newest_drafter(store: ArtifactStore, teacher: ArtifactRef) -> ArtifactRef:

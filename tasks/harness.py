@@ -37,7 +37,7 @@ class A2DLM(LM):
         self,
         store: str = "./a2d-store",
         head: str | None = None,
-        decoder: str = "spec:head",
+        decoder: str | None = None,
         vfm: str | None = None,
         drafter: str | None = None,
         max_gen_toks: int = 256,
@@ -47,6 +47,8 @@ class A2DLM(LM):
         **_: Any,
     ) -> None:
         super().__init__()
+        if decoder is None:  # the default lossless decoder: the drafter's where one is given
+            decoder = "spec:drafter+lookup" if drafter else "spec:head+lookup"
         info = registry.describe(decoder)  # an unknown name is refused before anything loads
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line defaults to cuda; a CPU machine runs on the CPU
