@@ -1,4 +1,4 @@
-"""The `a2d` command line: run, ls, show, verify, generate, serve."""
+"""The `a2d` command line: run, plan, ls, show, verify, generate, serve."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"store={os.environ['A2D_STORE']}")
     config = load_config(args.config, overrides)
     until = args.until or STAGES[-1]
-    preflight(config, stages_until(until, config), {})  # what the config alone decides, before any server
+    stages = stages_until(until, config)
+    preflight(config, stages, {})  # what the config alone decides, before any server
     start = time.perf_counter()
+    print(_plan_or_reason(config, stages))
     # The store decides reuse: when every artifact is already complete, no flow (and no
     # Prefect server) needs to start at all.
     from a2d.stores.artifacts import ArtifactStore
@@ -77,6 +79,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print("\neval (held-out prompts):")
         print(print_table(store, refs["eval"]))
+    return 0
+
+
+def _plan_or_reason(config: Any, stages: tuple[str, ...]) -> str:
+    """The projected bytes per stage, or one line saying why there is none (a run goes on without)."""
+    from a2d.flows.plan import format_plan, plan_config
+
+    try:
+        return format_plan(plan_config(config, stages))
+    except (ValueError, OSError) as e:
+        return f"plan: no projection ({e})"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from a2d.flows.pipeline import stages_until
+    from a2d.flows.plan import format_plan, plan_config
+
+    config = load_config(args.config, list(args.set or []))
+    projected = plan_config(config, stages_until(args.until or STAGES[-1], config), rows=args.rows)
+    print(json.dumps(projected.as_json(), indent=2) if args.json else format_plan(projected))
     return 0
 
 
@@ -232,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--until", choices=STAGES, help="stop after this stage")
     run.set_defaults(fn=cmd_run)
+
+    plan = sub.add_parser("plan", help="projected bytes per stage of a config, before any work")
+    plan.add_argument("config", help="YAML config, e.g. configs/qwen3.6-27b.yaml")
+    plan.add_argument("--set", action="append", metavar="K=V", help="override a config field")
+    plan.add_argument("--until", choices=STAGES, help="only the stages a run up to this one builds")
+    plan.add_argument("--rows", type=int, help="rows to plan for (default: the config's, e.g. bundled_rows)")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(fn=cmd_plan)
 
     ls = with_store(sub.add_parser("ls", help="list artifacts"))
     ls.add_argument("--stage", choices=STAGES)

@@ -140,6 +140,28 @@ def test_int8_anchors_are_close_and_smaller(anchored, captured):
     assert st.manifest(ref8)["bytes"] < st.manifest(refs["anchors"])["bytes"]
 
 
+def test_projected_bytes_match_what_the_run_wrote(anchored):
+    """`a2d plan`'s figures for the tiny run are within 10 % of the bytes its shard files take."""
+    from a2d.flows.plan import plan_config
+
+    store, cfg, refs = anchored
+    st = ArtifactStore(store)
+    int8 = tiny_config(
+        store, *SMALL, "anchors.layers=[0, 31, -1]", "anchors.dtype=int8", "anchors.outlier_channels=4"
+    )
+    for config in (cfg, int8):
+        built = pipeline(config, until="anchors")  # the int8 anchors: reused when the test above ran
+        projected = {s.stage: s for s in plan_config(config, tuple(built)).stages}
+        for stage in ("teacher", "prompts", "responses", "anchors"):
+            manifest = st.manifest(built[stage])
+            wrote = sum(m["bytes"] for m in manifest["shards"].values())
+            assert wrote == manifest["bytes"]
+            assert 0.9 <= projected[stage].bytes / wrote <= 1.1, (config.anchors.dtype, stage)
+            assert (projected[stage].rows, projected[stage].tokens) == (manifest["rows"], manifest["tokens"])
+            if stage != "teacher":  # zstd only shrinks the layout (the teacher's weights are stored raw)
+                assert projected[stage].raw_bytes >= wrote
+
+
 KILLER = textwrap.dedent(
     """
     import os, signal, sys

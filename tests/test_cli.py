@@ -20,6 +20,7 @@ def _ls(store, capsys):
 def test_run_reuse_invalidate_verify_rebuild(tmp_path, capsys, caplog):
     store = str(tmp_path / "s")
     assert main(["run", TINY, "--until", "prompts", "--store", store]) == 0
+    assert capsys.readouterr().out.startswith("plan tiny: projected bytes per stage")
     first = _ls(store, capsys)
     assert sorted(s for s, _ in first) == ["prompts", "teacher"]
     row = next(r for (s, _), r in first.items() if s == "prompts")
@@ -87,6 +88,49 @@ def test_run_reuse_invalidate_verify_rebuild(tmp_path, capsys, caplog):
     assert main(["verify", "--store", store]) == 0
     now = {p.name: p.stat().st_mtime_ns for p in art.glob("part-*.parquet")}
     assert [name for name in sorted(now) if now[name] != before[name]] == ["part-00000.parquet"]
+
+
+QWEN = os.path.join(ROOT, "configs", "qwen3.6-27b.yaml")
+
+
+def _anchors_plan(capsys, *sets: str) -> dict:
+    capsys.readouterr()
+    args = ["plan", QWEN, "--rows", "300000", "--until", "anchors", "--json"]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    return next(s for s in json.loads(capsys.readouterr().out)["stages"] if s["stage"] == "anchors")
+
+
+def test_plan_of_the_27b_recipe_stores_the_taps(capsys):
+    from a2d.specs import load_config
+    from a2d.tasks import anchors, drafter
+
+    config = load_config(QWEN)  # validates, and the drafter's and anchors' checks accept it
+    stored = anchors.check_layers(config.anchors, 64)
+    taps = drafter.check_config(config.drafter, config.anchors, 64)
+    assert taps == [1, 16, 31, 46, 61] and set(taps) <= set(stored)
+    late = [i for i in stored if i >= config.head.align_from * 64]
+    assert len(late) >= config.head.align_layers and len(stored) == 8
+
+    assert main(["plan", QWEN, "--rows", "300000"]) == 0
+    table = capsys.readouterr().out
+    assert "8 of 64 layers x 5120 int8, 42.1 MB raw per 1024 tokens" in table and "total" in table
+    assert all(f"\n{s} " in table for s in ("teacher", "prompts", "responses", "drafter", "head", "eval"))
+
+    # int8 anchors: per token and layer 5120 codes, an fp16 scale and 8 outliers' bf16 bits; per token
+    # position, confidence and entropy (Zarr metadata is the rest). 512 + 512 tokens a sample.
+    def raw(layers: int) -> int:
+        return 300_000 * 1024 * (layers * (5120 + 2 + 8 * 2) + 8)
+
+    full = _anchors_plan(capsys, "anchors.layers=all")
+    assert full["tokens"] == 300_000 * 1024 and full["raw_bytes"] == pytest.approx(raw(64), rel=1e-5)
+    assert 336e6 < full["raw_bytes"] / 300_000 < 337e6  # ≈ 335 MB a 1k-token sample, ~101 TB in all
+    assert _anchors_plan(capsys)["raw_bytes"] == pytest.approx(raw(8), rel=1e-5)
+    only_taps = _anchors_plan(capsys, "anchors.layers=[1, 16, 31, 46, 61]")
+    assert (
+        only_taps["raw_bytes"] == pytest.approx(raw(5), rel=1e-5)
+        and 26e6 < only_taps["raw_bytes"] / 300_000 < 27e6
+    )
+    assert only_taps["bytes"] < only_taps["raw_bytes"]
 
 
 def test_typo_fails_before_any_work(tmp_path, capsys):
