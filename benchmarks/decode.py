@@ -3,8 +3,9 @@
     python benchmarks/decode.py [--config configs/demo.yaml] [--store ./a2d-store] [--samples N]
 
 Needs the demo's head artifact (`make demo`, or `a2d run configs/demo.yaml --until head`); uses its
-VFM and the drafter too when there are. On the held-out prompts it decodes with every decoder, interleaved prompt
-by prompt so machine load hits each alike, plus transformers' own greedy `generate` (the library
+VFM and the drafter too when there are. On up to --per-set held-out prompts of each prompt set
+(bundled, code, docs: `benchmarks/sets.py`) it decodes with every lossless decoder, interleaved prompt
+by prompt so machine load hits each alike, and reports each set apart (`sets`), plus transformers' own greedy `generate` (the library
 baseline a2d's AR loop must match, on the model as transformers builds it: no packed oneDNN linears,
 `a2d.models.cpu_kernels`). Then it times single forwards: a speculative forward of n fed
 tokens (newest + drafts + mask runs, the LM head over the rows a decoder reads) against a bare base
@@ -31,7 +32,7 @@ DECODERS = [
     "spec:head+lookup",
     "spec:vfm",
     "spec:drafter",
-    "threshold:0.9",
+    "spec:drafter+lookup",
 ]
 FED = (2, 4, 9, 17)  # tokens fed to one forward in the overhead measurement
 ROUNDS = 7  # interleaved rounds per fed size (the median ratio is reported: a shared VM's load drifts)
@@ -126,12 +127,69 @@ def forward_overhead(
     return out, {str(n): round(t / bare[1], 4) for n, t in bare.items()}
 
 
+def summarise(stats: dict, index: list[int]) -> dict[str, dict]:
+    """Each decoder's totals over the prompts `index`: tokens, forwards, TPF, tokens/s, drafts."""
+    out = {}
+    for name, st in stats.items():
+        recs = [st["records"][i] for i in index if st["records"][i] is not None]
+        fed = [d for o in recs for d, ok in zip(o.drafted, o.draftable, strict=True) if ok]
+        tokens = sum(st["tokens"][i] for i in index)
+        forwards = sum(st["forwards"][i] for i in index)
+        seconds = sum(st["seconds"][i] for i in index)
+        out[name] = {
+            "tokens": tokens,
+            "forwards": forwards,
+            "seconds": round(seconds, 3),
+            "tpf": round(tokens / max(forwards, 1), 4),
+            "tokens_per_s": round(tokens / seconds, 3),
+            "mean_accepted_drafts": round(sum(a for o in recs for a in o.accepted) / len(fed), 4)
+            if fed
+            else None,
+        }
+        if fed:
+            out[name]["no_draft_share"] = round(sum(d == 0 for d in fed) / len(fed), 4)
+    return out
+
+
+def set_figures(stats: dict, index: list[int], lossless: list[str], default: str | None) -> dict:
+    """One prompt set's figures: every decoder's TPF and tokens/s x AR (95 % bootstrap interval over
+    its prompts), mismatches of every lossless decoder, and the default decoder's headline."""
+    from benchmarks.sets import speed
+
+    sub = {n: {k: [v[i] for i in index] for k, v in st.items()} for n, st in stats.items()}
+    summary = summarise(stats, index)
+    base = sub["ar:greedy"]["outputs"]
+    speeds = {n: speed(sub, n) for n in sub}
+    for n in summary:
+        summary[n].update(speeds[n])
+    doc = {
+        "prompts": len(index),
+        "lossless_mismatches": {
+            m: sum(a != b for a, b in zip(sub[m]["outputs"], base, strict=True)) for m in lossless
+        },
+        "decoders": summary,
+        "hf_prompt_lookup_speedup_vs_ar": speeds.get("hf:prompt-lookup", {}).get("speedup_vs_ar"),
+        "transformers_generate_speedup_vs_ar": speeds["transformers:generate"]["speedup_vs_ar"],
+    }
+    if default is not None:
+        doc.update(
+            default_decoder=default,
+            default_speedup_vs_ar=speeds[default]["speedup_vs_ar"],
+            default_speedup_vs_ar_ci95=speeds[default]["speedup_vs_ar_ci95"],
+            default_tpf=summary[default]["tpf"],
+        )
+    if "spec:drafter" in summary:
+        recs = [r for r in sub["spec:drafter"]["records"]]
+        doc["tau"] = round(sum(len(o.tokens) for o in recs) / sum(len(o.drafted) for o in recs), 4)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--store", default=None)
-    ap.add_argument("--samples", type=int, default=0, help="held-out prompts (0 = all)")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--per-set", type=int, default=6, help="held-out prompts per prompt set (0 = all)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--pair-rounds", type=int, default=2, help="paired AR vs generate decodes per prompt")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions per forward size")
     args = ap.parse_args()
@@ -145,10 +203,11 @@ def main() -> None:
     from a2d.tasks import teacher as teacher_stage
     from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
     from benchmarks.common import built, write_result
+    from benchmarks.sets import by_set
 
     cfg, refs, store = built(args.config, args.store, "head")
-    rows = read_held_out(store, refs["responses"])
-    rows = rows[: args.samples] if args.samples else rows
+    sets = by_set(read_held_out(store, refs["responses"]), args.per_set)
+    rows = [r for group in sets.values() for r in group]
     teacher, tok = teacher_stage.tm.load_teacher(
         teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
     )
@@ -187,10 +246,11 @@ def main() -> None:
 
     names = [*decoders, "transformers:generate"]
     stats = {
-        name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "outputs": [], "records": []} for name in names
+        name: {"tokens": [], "forwards": [], "seconds": [], "outputs": [], "records": []} for name in names
     }
     with torch.no_grad():
-        decoders["ar:greedy"](rows[0]["prompt_ids"])  # warm-up
+        for name in decoders:  # warm-up (spec:drafter+lookup times its verify forwards here, once)
+            decoders[name](rows[0]["prompt_ids"][:8])
         hf_generate(library, rows[0]["prompt_ids"], n, eos, tok.pad_token_id)
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
             for name in names:
@@ -202,12 +262,11 @@ def main() -> None:
                     out = decoders[name](r["prompt_ids"])
                     tokens = out.tokens
                 st = stats[name]
-                st["seconds"] += time.perf_counter() - start
-                st["tokens"] += len(tokens)
-                st["forwards"] += out.forwards if out else len(tokens)
+                st["seconds"].append(time.perf_counter() - start)
+                st["tokens"].append(len(tokens))
+                st["forwards"].append(out.forwards if out else len(tokens))
                 st["outputs"].append(tokens)
-                if out is not None:
-                    st["records"].append(out)
+                st["records"].append(out)
         paired = paired_ar_vs_generate(
             lambda p: decoders["ar:greedy"](p).tokens,
             lambda p: hf_generate(library, p, n, eos, tok.pad_token_id).tokens,
@@ -217,32 +276,20 @@ def main() -> None:
         overhead, feeding = forward_overhead(
             student, teacher, rows[0]["prompt_ids"] + rows[0]["response_ids"], args.reps
         )
-    base = stats["ar:student-base"]["outputs"]
-    summary = {}
-    for name, st in stats.items():
-        recs = st.pop("records")
-        fed = [d for o in recs for d, ok in zip(o.drafted, o.draftable, strict=True) if ok]
-        summary[name] = {
-            "tokens": st["tokens"],
-            "forwards": st["forwards"],
-            "seconds": round(st["seconds"], 3),
-            "tpf": round(st["tokens"] / max(st["forwards"], 1), 4),
-            "tokens_per_s": round(st["tokens"] / st["seconds"], 3),
-            "mean_accepted_drafts": round(sum(a for o in recs for a in o.accepted) / len(fed), 4)
-            if fed
-            else None,
-        }
-        if fed:
-            summary[name]["no_draft_share"] = round(sum(d == 0 for d in fed) / len(fed), 4)
     lossless = [
-        m
-        for m in stats
-        if m != "transformers:generate" and registry.describe(m).lossless and m != "ar:greedy"
+        m for m in decoders if registry.describe(m).lossless and m not in ("ar:greedy", "ar:student-base")
     ]
-    mismatches = {m: sum(a != b for a, b in zip(stats[m]["outputs"], base, strict=True)) for m in lossless}
+    default = registry.default_decoder(res)
+    everything = list(range(len(rows)))
+    summary = summarise(stats, everything)
+    overall = set_figures(stats, everything, lossless, default)
     ar = summary["ar:greedy"]["tokens_per_s"]
     speedup = {m: round(summary[m]["tokens_per_s"] / ar, 4) for m in summary}
     best = max((m for m in lossless if m.startswith("spec:") or m == "ar:prompt-lookup"), key=speedup.get)
+    first, per_set = 0, {}
+    for name, group in sets.items():
+        per_set[name] = set_figures(stats, list(range(first, first + len(group))), lossless, default)
+        first += len(group)
     write_result(
         "decode",
         {
@@ -252,7 +299,9 @@ def main() -> None:
             "samples": len(rows),
             "max_new_tokens": n,
             "decode_profile": registry.profile_for("cpu").__dict__,
-            "lossless_mismatches": mismatches,
+            "default_decoder": default,
+            "sets": per_set,
+            "lossless_mismatches": overall["lossless_mismatches"],
             "no_draft_share": {m: s["no_draft_share"] for m, s in summary.items() if "no_draft_share" in s},
             "spec_forward_overhead": overhead,
             "forward_cost_vs_one_token": feeding,
@@ -273,7 +322,12 @@ def main() -> None:
             "decoders": summary,
             "rules": (
                 "a forward is every model call (verify, flow-map and drafter forwards); tokens are response tokens "
-                "incl. EOS; speed-ups are tokens/s ÷ ar:greedy (the teacher, KV cache) in this run; no_draft_share "
+                "incl. EOS; speed-ups are tokens/s ÷ ar:greedy (the teacher, KV cache) on the same prompts in this "
+                "run, every decoder interleaved prompt by prompt; sets[name] holds each prompt set's figures "
+                "(bundled: the generator's held-out rows; code: functions of held-out stdlib modules; docs: "
+                "passages of held-out pydoc topics; no training row shares a module or topic with them), each "
+                "speed-up with a 95 % bootstrap interval over that set's prompts, mismatches against ar:greedy's "
+                "tokens; tau is spec:drafter's tokens per verify forward; no_draft_share "
                 "is over verify forwards that could carry drafts (not a prompt's first forward, not a 1-token "
                 "budget); ar_vs_transformers_generate = tokens/s of ar:greedy ÷ transformers' greedy generate, each "
                 "prompt decoded by both back to back in alternating order, pair_rounds times, the fastest time of "

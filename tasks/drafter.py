@@ -333,8 +333,12 @@ def train_drafter(
     device: str = "cpu",
     stop_after: int | None = None,
     remote: Location | None = None,
+    max_train_rows: int | None = None,
 ) -> dict[str, Any]:
-    """Train the drafter; checkpoints (weights, optimizer, scheduler, RNG, step) under `work/checkpoints`."""
+    """Train the drafter; checkpoints (weights, optimizer, scheduler, RNG, step) under `work/checkpoints`.
+
+    `max_train_rows` trains on that many training responses drawn by the seed (every prompt set in
+    its share): the benchmark's τ-against-data curve; the stage trains on all of them."""
     log = logger()
     torch.manual_seed(spec.seed)
     teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
@@ -350,6 +354,9 @@ def train_drafter(
     reader.check_responses(store, refs["responses"])
     rows = sorted(read_responses(store, refs["responses"]).to_pylist(), key=lambda r: r["sample_id"])
     train_rows = [r for r in rows if r["split"] == "train"]
+    if max_train_rows is not None and max_train_rows < len(train_rows):
+        keep = set(np.random.default_rng(spec.seed).choice(len(train_rows), max_train_rows, replace=False))
+        train_rows = [r for i, r in enumerate(train_rows) if i in keep]
     store_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     seqs = load_sequences(reader, train_rows, layers, store_dtype)
     held = load_sequences(reader, [r for r in rows if r["split"] == "eval"], layers, store_dtype)
