@@ -138,12 +138,13 @@ def test_eval_reports_every_decoder(built):
     names = doc["decoder_order"]
     assert set(doc["decoders"]) == set(names)
     assert names == [  # configs/tiny.yaml: thresholds [0.9, 0.5], entropy [1.0], VFM K in [1, 2]
+        "spec:drafter+lookup",  # the default decoder's row first (one prompt set: no per-set rows)
         "ar:greedy",
         "ar:student-base",
+        "spec:drafter",
         "ar:prompt-lookup",
         "spec:head",
         "spec:head+lookup",
-        "spec:drafter",
         "threshold:0.9",
         "threshold:0.5",
         "entropy:1",
@@ -158,7 +159,9 @@ def test_eval_reports_every_decoder(built):
         doc["reference"] == "ar:student-base"
     )  # an NF4 base is not the teacher: its own decode is the reference
     assert s["ar:greedy"]["token_agreement"] == 1.0  # the eval's AR decode is the responses stage's
+    assert doc["default_decoder"] == "spec:drafter+lookup"
     for lossless in (
+        "spec:drafter+lookup",
         "spec:head",
         "spec:head+lookup",
         "spec:drafter",
