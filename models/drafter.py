@@ -86,6 +86,7 @@ class DrafterConfig:
         qwen.update(
             architectures=[ARCHITECTURE],
             model_type="qwen3",
+            rope_theta=self.rope_theta,  # beside rope_parameters: 4.x readers know only this spelling
             block_size=self.block_size,
             num_target_layers=self.num_target_layers,
             dflash_config={

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 from pathlib import Path
 
@@ -168,9 +169,31 @@ def copy_pretrained(
 
 
 def save_teacher(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out: Path) -> None:
+    """Write the teacher's HF directory: weights, config (rope_theta in both spellings), tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    config = out / "config.json"
+    config.write_text(
+        json.dumps(with_top_level_rope_theta(json.loads(config.read_text())), indent=2, sort_keys=True) + "\n"
+    )
     tok.save_pretrained(out)
+
+
+def with_top_level_rope_theta(doc: dict) -> dict:
+    """`rope_theta` beside `rope_parameters` in the config and in each nested sub-config (text_config).
+
+    transformers 5 writes the base only inside `rope_parameters`; a 4.x reader (DFlash's reference
+    code pins 4.57) knows only the top-level key and would silently take its class default instead.
+    Per-layer-type `rope_parameters` (no `rope_theta` of their own) are left as they are.
+    """
+    out = {
+        k: with_top_level_rope_theta(v) if isinstance(v, dict) and k != "rope_parameters" else v
+        for k, v in doc.items()
+    }
+    rope = doc.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    return out
 
 
 def resolve_device(device: str) -> torch.device:

@@ -55,7 +55,8 @@ from a2d.tasks.training import lr_lambda, run_trainer
 
 STAGE = "drafter"
 SHARD = "drafter"
-FORMAT_VERSION = 1
+# 2: config.json carries rope_theta at the top level beside rope_parameters (4.x readers)
+FORMAT_VERSION = 2
 PROVENANCE = "drafter_spec.json"
 CURVE_POINTS = (0.25, 0.5, 1.0)  # shares of the steps at which held-out τ is measured
 

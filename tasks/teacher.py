@@ -14,7 +14,8 @@ from a2d.stores.artifacts import ArtifactRef, ArtifactStore, cache_root, hash_lo
 from a2d.stores.keys import KeyInputs, dir_sha256, sha256_file_cached
 
 STAGE = "teacher"
-FORMAT_VERSION = 1
+# 2: config.json carries rope_theta at the top level beside rope_parameters (4.x readers)
+FORMAT_VERSION = 2
 SHARD = "model"
 
 

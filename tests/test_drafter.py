@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from transformers import AutoConfig, Qwen3Config
 
 from a2d.models.canvas import Canvas
 from a2d.models.capture import capture_layers
@@ -21,8 +22,11 @@ from a2d.models.drafter import (
 )
 from a2d.models.speculative import DFlashDraft, Drafter, Proposal, accept_path, speculative_decode
 from a2d.models.student import lm_head
+from a2d.specs import DrafterSpec
+from a2d.tasks.drafter import build_config
 from tests.conftest import ARCHS, trained_like
 from tests.test_decoding import EOS, PROMPT, base_greedy
+from tests.test_teacher import ROPE_THETA, rope_theta_readings, teacher_with_rope_theta
 
 
 def tiny_drafter(student, block=4, layers=(0, 1), seed=0) -> DFlashDrafter:
@@ -78,6 +82,17 @@ def test_a_saved_drafter_reads_back_by_the_format_and_decodes_losslessly(small_t
     assert draft.forwards == sum(d > 0 for d in out.drafted)  # one drafter forward per drafted verify
     assert out.forwards == len(out.drafted) + draft.forwards  # every model call counts
     assert max(out.drafted) == 3  # [newest, MASK x 3]: three drafts per block
+
+
+def test_a_drafter_config_carries_the_teachers_rope_theta_in_both_spellings(tmp_path):
+    """DFlash's reference code reads the drafter with transformers 4.57, which knows only top-level
+    rope_theta: without it the weights load and the model silently runs at the class default."""
+    text = AutoConfig.from_pretrained(teacher_with_rope_theta(tmp_path)).get_text_config()
+    drafter = DFlashDrafter(build_config(DrafterSpec(), text, [0, 1], text.vocab_size - 1))
+    drafter.save(tmp_path / "drafter")
+    readings = rope_theta_readings(tmp_path / "drafter", Qwen3Config)
+    assert readings == dict.fromkeys(readings, ROPE_THETA)
+    assert DFlashDrafter.load(tmp_path / "drafter").config.rope_theta == ROPE_THETA
 
 
 @pytest.mark.parametrize("arch", ARCHS)

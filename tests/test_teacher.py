@@ -1,12 +1,23 @@
 """teacher stage: every source materialises a loadable HF directory whose key tracks its content."""
 
+import json
+from pathlib import Path
+
 import huggingface_hub.constants
 import pytest
 import torch
 from pydantic import ValidationError
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5Config, Qwen3_5TextConfig
 
 from a2d.flows.teacher import teacher_flow
-from a2d.models.teacher import build_random_teacher, decoder_layers, load_teacher
+from a2d.models.teacher import (
+    build_random_teacher,
+    byte_tokenizer,
+    copy_pretrained,
+    decoder_layers,
+    load_teacher,
+    with_top_level_rope_theta,
+)
 from a2d.specs import TeacherSpec
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks import teacher as stage
@@ -95,3 +106,63 @@ def test_smollm2_gguf_converts_once_into_the_store(tmp_path):
     out = stage.local_dir(store, ref)
     assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in out.iterdir())
     assert teacher_flow(spec, str(tmp_path)) == ref  # reused, not converted again
+
+
+# rope_theta unlike every class default (llama, qwen3: 10000; the DFlash drafter's: 1e6), so a reader
+# that fell back to its default would fail.
+ROPE_THETA = 100_000.0
+
+
+def teacher_with_rope_theta(tmp_path: Path) -> Path:
+    """A 2-layer llama saved by transformers alone (rope_theta only inside rope_parameters),
+    materialised as a teacher through the local-copy path."""
+    src, out = tmp_path / "src", tmp_path / "teacher"
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+    )
+    LlamaForCausalLM(config).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    copy_pretrained(str(src), out, "float32", False, None)
+    return out
+
+
+def rope_theta_readings(folder: Path, config_class) -> dict[str, float]:
+    """rope_theta as each reader sees config.json: transformers 5 (from the file, from the dict) and a
+    4.x reader, which knows only the top-level key (emulated: the dict without rope_parameters)."""
+    doc = json.loads((folder / "config.json").read_text())
+    without = {k: v for k, v in doc.items() if k != "rope_parameters"}
+    return {
+        "from_pretrained": config_class.from_pretrained(folder).rope_parameters["rope_theta"],
+        "from_dict": config_class.from_dict(doc).rope_parameters["rope_theta"],
+        "json top level": doc.get("rope_theta"),
+        "json rope_parameters": doc["rope_parameters"]["rope_theta"],
+        "without rope_parameters": config_class.from_dict(without).rope_parameters["rope_theta"],
+    }
+
+
+def test_a_teacher_config_carries_rope_theta_in_both_spellings(tmp_path):
+    readings = rope_theta_readings(teacher_with_rope_theta(tmp_path), LlamaConfig)
+    assert readings == dict.fromkeys(readings, ROPE_THETA)
+    for arch in ("llama", "qwen3_5"):  # the random teachers write through the same helper
+        build_random_teacher(arch, 2, 32, 0, tmp_path / arch, "float32")
+        doc = json.loads((tmp_path / arch / "config.json").read_text())
+        assert doc["rope_theta"] == doc["rope_parameters"]["rope_theta"]
+
+
+def test_a_nested_text_config_gets_rope_theta_beside_its_own_rope_parameters():
+    """Qwen3.5's composite config keeps the decoder's fields (and its rope) in text_config."""
+    rope = {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.25}
+    doc = with_top_level_rope_theta(Qwen3_5Config(text_config={"rope_parameters": rope}).to_dict())
+    text = doc["text_config"]
+    assert text["rope_theta"] == text["rope_parameters"]["rope_theta"] == 5_000_000.0
+    assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert "rope_theta" not in doc  # the composite level has no rope of its own
+    without = {k: v for k, v in text.items() if k != "rope_parameters"}
+    assert Qwen3_5TextConfig.from_dict(without).rope_parameters["rope_theta"] == 5_000_000.0
