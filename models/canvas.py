@@ -68,6 +68,28 @@ def truncate_attention(cache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
+def tree_layout(n_fed: int, parents: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each of `n_fed` new tokens sees of the others (n_fed, n_fed) and their positions from the
+    first (n_fed,), when the last len(parents) are tree candidates: candidate i continues candidate
+    `parents[i]` (-1: the last token before them), sits at the next position after it and sees the
+    tokens before the candidates, its ancestors and itself; the tokens before them are causal."""
+    first = n_fed - len(parents)  # column of the first candidate
+    allowed = torch.ones(n_fed, n_fed, device=device).tril().bool()
+    positions = torch.arange(n_fed, device=device)
+    allowed[first:, first:] = False
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
+        col = first + i
+        allowed[col, col] = True
+        if parent >= 0:
+            allowed[col] |= allowed[first + parent]
+            positions[col] = positions[first + parent] + 1
+        else:
+            positions[col] = first
+    return allowed, positions
+
+
 class Canvas:
     """One prompt being decoded: committed tokens, the cache over all but the newest, forwards run."""
 
@@ -185,20 +207,7 @@ class Canvas:
             raise ValueError(
                 "a tree of drafts needs an attention-only base (a recurrent state has no branches)"
             )
-        first = n_fed - len(parents)  # column of the first candidate
-        allowed = torch.ones(n_fed, n_fed, device=self.device).tril().bool()
-        positions = torch.arange(n_fed, device=self.device)
-        allowed[first:, first:] = False
-        for i, parent in enumerate(parents):
-            if not -1 <= parent < i:
-                raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
-            col = first + i
-            allowed[col, col] = True
-            if parent >= 0:
-                allowed[col] |= allowed[first + parent]
-                positions[col] = positions[first + parent] + 1
-            else:
-                positions[col] = first
+        allowed, positions = tree_layout(n_fed, parents, self.device)
         return Tree(allowed[None], positions[None], [])
 
     def keep_path(self, path: list[int]) -> None:

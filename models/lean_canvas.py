@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from a2d.models.ar import LeanState, LeanStep, lean_step
+from a2d.models.canvas import tree_layout
 from a2d.models.student import Student
 
 Taps = tuple[list[int], Callable[[int, torch.Tensor], None]]  # (layers, on_layer(i, (1, n, H)))
@@ -105,21 +106,10 @@ class LeanCanvas:
             raise ValueError("a lean canvas feeds no open region: use Canvas for drafters with masks")
         pending, pos = self.pending, self.state.pos
         fed, n_p = pending + list(clean), len(pending)
-        positions = torch.arange(pos, pos + len(fed))
-        allowed = None
+        positions, allowed = torch.arange(pos, pos + len(fed)), None
         if parents is not None:
-            allowed = torch.ones(len(fed), len(fed), dtype=torch.bool).tril()
-            allowed[n_p:, n_p:] = False
-            for i, parent in enumerate(parents):
-                if not -1 <= parent < i:
-                    raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
-                row = n_p + i
-                allowed[row, row] = True
-                if parent >= 0:
-                    allowed[row] |= allowed[n_p + parent]
-                    positions[row] = positions[n_p + parent] + 1
-                else:
-                    positions[row] = pos + n_p
+            allowed, rel = tree_layout(len(fed), parents)
+            positions = rel + pos
         hidden = lean_forward(self.lean, self.state, fed, positions, allowed, self.taps)
         self.forwards += 1
         self._fed = (n_p, len(clean))
