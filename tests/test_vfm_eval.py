@@ -432,7 +432,8 @@ def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
     assert "differ from ar:greedy's" in (report / "report.md").read_text()
     assert (
         set(doc["lm_eval"]["tasks"]) == {"a2d_bundled"}
-        and doc["lm_eval"]["model"]["a2d_decoder"] == "spec:head"
+        # unset eval.lm_eval_decoder: the default lossless decoder, the drafter's where there is one
+        and doc["lm_eval"]["model"]["a2d_decoder"] == "spec:drafter+lookup"
     )
     assert "lm-evaluation-harness" in (report / "report.md").read_text()
     manifest = (st.loc(first).local_path() / "manifest.json").stat().st_mtime_ns
