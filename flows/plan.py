@@ -86,7 +86,8 @@ def lengths(config: PipelineConfig, rows: int | None = None) -> Lengths:
             origin=f"prompts measured on {len(sample)} rows; responses at their budget",
         )
     cpt = BYTE_TOKENIZER_CHARS if config.teacher.source == "random" else BPE_CHARS
-    given = rows or (spec.bundled_rows if spec.source == "bundled" else None)
+    configured = {"bundled": spec.bundled_rows, "mixture": sum(p.rows for p in spec.mixture)}
+    given = rows or configured.get(spec.source)
     reference = (spec.response_column is not None) * config.responses.max_new_tokens * cpt
     return Lengths(
         rows=given or DEFAULT_ROWS,
