@@ -179,7 +179,7 @@ def set_figures(stats: dict, index: list[int], lossless: list[str], default: str
             default_tpf=summary[default]["tpf"],
         )
     if "spec:drafter" in summary:
-        recs = [r for r in sub["spec:drafter"]["records"]]
+        recs = sub["spec:drafter"]["records"]
         doc["tau"] = round(sum(len(o.tokens) for o in recs) / sum(len(o.drafted) for o in recs), 4)
     return doc
 
