@@ -116,6 +116,10 @@ class DrafterLookup(DFlashDraft):
         self._mark = len(canvas.tokens)
         look = ngram_drafts(canvas.tokens, self.max_ngram, self.lookup_len)
         self._last = ([], [], look)
+        return self._lookup_only(look)
+
+    def _lookup_only(self, look: list[int]) -> Proposal:
+        """The lookup chain alone, as far as it pays (a chain without parents on a hybrid)."""
         proposal, _ = self._choose([], look)
         return proposal if self.nodes > 0 else Proposal(proposal.tokens)
 
@@ -129,9 +133,9 @@ class DrafterLookup(DFlashDraft):
         if self.gain < MIN_GAIN and self.rested < PROBE_EVERY - 1:  # failing lately: lookup alone
             self.rested += 1
             self._last = ([], [], look)
-            proposal, _ = self._choose([], look)
+            proposal = self._lookup_only(look)
             self.fed.append(len(proposal.tokens))
-            return proposal if self.nodes > 0 else Proposal(proposal.tokens)
+            return proposal
         self.rested = 0
         started = time.perf_counter()
         logits = self.draft_logits(canvas, remaining)
