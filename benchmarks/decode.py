@@ -198,46 +198,32 @@ def main() -> None:
 
     from a2d.models import decoders as registry
     from a2d.models.ar import hf_generate
-    from a2d.models.generate import eos_ids
     from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
-    from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
+    from a2d.tasks.resources import resources_from_store
     from benchmarks.common import built, write_result
     from benchmarks.sets import by_set
 
     cfg, refs, store = built(args.config, args.store, "head")
     sets = by_set(read_held_out(store, refs["responses"]), args.per_set)
     rows = [r for group in sets.values() for r in group]
-    teacher, tok = teacher_stage.tm.load_teacher(
-        teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
-    )
     # transformers' generate runs on the model as transformers builds it (no packed oneDNN linears)
     library, _ = teacher_stage.tm.load_teacher(
         teacher_stage.local_dir(store, refs["teacher"]), device="cpu", packed=False
     )
-    student, dspec = load_student(store, refs["head"])
-    eos, n = eos_ids(teacher, tok), args.max_new_tokens
     vfm_refs = [
         r
         for r in store.iter_refs("vfm")
         if store.is_complete(r) and store.manifest(r)["upstream"]["head"] == refs["head"].key
     ]
-    vfm = None
+    wanted = {"head": refs["head"], "teacher": refs["teacher"]}
     if vfm_refs:
-        vfm = (load_vfm(store, vfm_refs[0]), load_flow_map(store, vfm_refs[0], student))
-    drafter = None
+        wanted["vfm"] = vfm_refs[0]
     if "drafter" in refs and store.is_complete(refs["drafter"]):
-        drafter = load_drafter(store, refs["drafter"], refs["teacher"])
-    res = registry.Resources(
-        student,
-        eos,
-        n,
-        teacher=teacher,
-        vfm=vfm,
-        drafter=drafter,
-        pad_id=tok.pad_token_id,
-        logit_alignment=dspec.logit_alignment,
-    )
+        wanted["drafter"] = refs["drafter"]
+    n = args.max_new_tokens
+    res, _, tok = resources_from_store(store, wanted, n)
+    teacher, student, eos = res.teacher, res.student, res.eos
     decoders = {
         name: registry.build(name, res)
         for name in DECODERS
@@ -295,7 +281,7 @@ def main() -> None:
         {
             "config": Path(args.config).name,
             "head_key": refs["head"].key,
-            "drafter_key": refs["drafter"].key if drafter is not None else None,
+            "drafter_key": refs["drafter"].key if res.drafter is not None else None,
             "samples": len(rows),
             "max_new_tokens": n,
             "decode_profile": registry.profile_for("cpu").__dict__,

@@ -92,14 +92,12 @@ def main() -> None:
     from tqdm.auto import tqdm
 
     from a2d.models import decoders as registry
-    from a2d.models.generate import eos_ids
     from a2d.models.speculative import DFlashDraft
     from a2d.specs import DrafterSpec
     from a2d.stores.anchors import AnchorReader
     from a2d.stores.readers import read_held_out
-    from a2d.tasks import teacher as teacher_stage
     from a2d.tasks.drafter import load_sequences
-    from a2d.tasks.students import load_drafter, load_student
+    from a2d.tasks.resources import resources_from_store
     from benchmarks.common import built, write_result
     from benchmarks.sets import by_set, speed
 
@@ -108,21 +106,10 @@ def main() -> None:
         raise SystemExit(f"no complete drafter artifact: run `a2d run {args.config} --until drafter` first")
     held = read_held_out(store, refs["responses"])
     sets = by_set(held, args.per_set)
-    teacher, tok = teacher_stage.tm.load_teacher(
-        teacher_stage.local_dir(store, refs["teacher"]), device="cpu"
-    )
-    student, dspec = load_student(store, refs["head"])
-    drafter = load_drafter(store, refs["drafter"], refs["teacher"])
-    eos, n = eos_ids(teacher, tok), args.max_new_tokens
-    res = registry.Resources(
-        student,
-        eos,
-        n,
-        teacher=teacher,
-        drafter=drafter,
-        pad_id=tok.pad_token_id,
-        logit_alignment=dspec.logit_alignment,
-    )
+    n = args.max_new_tokens
+    wanted = {s: refs[s] for s in ("head", "teacher", "drafter")}
+    res, _, tok = resources_from_store(store, wanted, n)
+    teacher, drafter = res.teacher, res.drafter
     names = [m for m in DECODERS if not registry.missing(registry.describe(m), res)]
     decoders = {m: registry.build(m, res) for m in names}
     drafts: list[DFlashDraft] = []  # every decode's drafter object (its own forwards and seconds)

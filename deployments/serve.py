@@ -9,7 +9,7 @@ stage's tasks.
     prefect server start --host 127.0.0.1 &
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     a2d serve --config configs/tiny.yaml
-    prefect deployment run 'pipeline/tiny' --params '{"until": "prompts"}' --watch
+    prefect deployment run 'pipeline/tiny · pipeline' --params '{"until": "prompts"}' --watch
 
 Run parameters replace a deployment's defaults per top-level name: `{"until": "prompts"}` keeps
 the served config, while passing `config` replaces all of it (omitted fields take the flow's
@@ -191,23 +191,64 @@ def absolute_store(config: PipelineConfig) -> PipelineConfig:
     return config.model_copy(update={"store": normalise_uri(config.store).removeprefix("file://")})
 
 
+def deployment_name(config_name: str, flow_name: str) -> str:
+    """What the UI lists a deployment as: the config and the stage (`tiny · head`); the CLI's full
+    name is `<flow>/<this>`, e.g. `prefect deployment run 'pipeline/tiny · pipeline'`."""
+    return f"{config_name} · {flow_name}"
+
+
+def local_timezone() -> str:
+    """The IANA name of this machine's timezone (TZ, else /etc/localtime's target), else UTC: the
+    schedule's times are read in it, and the UI shows it beside them."""
+    from zoneinfo import available_timezones
+
+    zones = available_timezones()
+    name = os.environ.get("TZ", "").lstrip(":")
+    if name not in zones:
+        target = os.path.realpath("/etc/localtime")
+        name = target.split("zoneinfo/", 1)[1] if "zoneinfo/" in target else ""
+    return name if name in zones else "UTC"
+
+
+def device_tag(served: Served, config: PipelineConfig) -> str:
+    """`gpu` for a flow that runs a model when the config runs on an accelerator (`run.device: auto`:
+    when this machine has one); `cpu` otherwise: on a CPU machine every stage is a CPU job."""
+    from a2d.models.teacher import resolve_device
+
+    return "gpu" if served.gpu and resolve_device(config.run.device).type != "cpu" else "cpu"
+
+
 def build_deployments(
-    config: PipelineConfig, cron: str | None = None, policy: ServePolicy | None = None
+    config: PipelineConfig,
+    cron: str | None = None,
+    policy: ServePolicy | None = None,
+    timezone: str | None = None,
 ) -> list[RunnerDeployment]:
-    """One deployment per served flow, named after the config, parameters validated by the server;
-    each description says what the serve policy (default: what the config itself uses) allows."""
+    """One deployment per served flow, named after the config and the stage, parameters validated by
+    the server; each description says what the serve policy (default: what the config itself uses)
+    allows. `cron` schedules regenerate-data in `timezone` (default: this machine's)."""
+    from prefect.schedules import Cron
+
     if "/" in config.name:
         raise ValueError(f"config name {config.name!r} names the deployments and cannot contain '/'")
+    if timezone is not None:
+        from zoneinfo import available_timezones
+
+        if timezone not in available_timezones():
+            raise ValueError(
+                f"--timezone {timezone!r} is not an IANA timezone name (e.g. Europe/Berlin, UTC)"
+            )
     config = absolute_store(config)
     allowed = describe(policy or policy_for(config))
     deployments = []
     for served in registry():
         flow = served.load()
+        scheduled = cron is not None and served.name == "regenerate-data"
         deployment = flow.to_deployment(
-            name=config.name,
+            name=deployment_name(config.name, served.name),
             parameters=default_parameters(flow, served.name, config),
-            cron=cron if served.name == "regenerate-data" else None,
-            tags=["a2d", "gpu" if served.gpu else "cpu"],
+            schedule=Cron(cron, timezone=timezone or local_timezone()) if scheduled else None,
+            tags=["a2d", device_tag(served, config)],
             description=f"{flow.description or flow.name}\n\nDefaults: config {config.name!r}, store "
             f"{config.store}. Artifact keys: `a2d ls --store {config.store}`.\n\n{allowed}",
             enforce_parameter_schema=True,
@@ -304,10 +345,11 @@ def serve(
     overrides: list[str] | None = None,
     gpu_slots: int = 1,
     policy: ServePolicy | None = None,
+    timezone: str | None = None,
 ) -> None:
     """Serve every deployment to the server at PREFECT_API_URL until interrupted.
 
-    `cron` schedules `regenerate-data` (e.g. "0 3 * * *"); the `gpu` global concurrency limit is
+    `cron` schedules `regenerate-data` (e.g. "0 3 * * *", in `timezone`, default this machine's); the `gpu` global concurrency limit is
     created with `gpu_slots` slots when the server does not have it yet. `policy` (with what the
     served config uses added, see `policy_for`) bounds every run of these deployments.
     """
@@ -316,7 +358,7 @@ def serve(
     config = absolute_store(load_config(config_path, overrides))
     url = check_server()
     effective = policy_for(config, policy)
-    deployments = build_deployments(config, cron, effective)
+    deployments = build_deployments(config, cron, effective, timezone)
     export(effective)  # inherited by the process of every flow run started from here
     log.info("serve policy: %s", effective.model_dump_json())
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by every run

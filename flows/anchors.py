@@ -5,13 +5,16 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import ResponsesIn, TeacherIn, admit, run_sharded
 from a2d.specs import AnchorSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import anchors as stage
 
 
-@flow(name="anchors", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
+@flow(
+    name="anchors", on_crashed=[on_crashed], task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True
+)
 def anchors_flow(
     responses: ResponsesIn,
     teacher: TeacherIn,

@@ -235,7 +235,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_remote_code=args.allow_remote_code,
         max_random_teacher_params=args.max_random_teacher_params,
     )
-    serve(args.config, cron=args.cron, overrides=overrides, gpu_slots=args.gpu_slots, policy=flags)
+    serve(
+        args.config,
+        cron=args.cron,
+        overrides=overrides,
+        gpu_slots=args.gpu_slots,
+        policy=flags,
+        timezone=args.timezone,
+    )
     return 0
 
 
@@ -306,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--set", action="append", metavar="K=V", help="override a config field")
     serve.add_argument("--cron", default=None, help='cron schedule for regenerate-data, e.g. "0 3 * * *"')
+    serve.add_argument(
+        "--timezone",
+        default=None,
+        help="IANA timezone the cron is read in (default: this machine's, else UTC)",
+    )
     serve.add_argument(
         "--gpu-slots", type=int, default=1, help="slots of the `gpu` concurrency limit when creating it"
     )

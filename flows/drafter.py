@@ -5,13 +5,16 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import AnchorsIn, ResponsesIn, TeacherIn, admit, run_sharded
 from a2d.specs import DrafterSpec, RunOptions, TrainOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import drafter as stage
 
 
-@flow(name="drafter", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
+@flow(
+    name="drafter", on_crashed=[on_crashed], task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True
+)
 def drafter_flow(
     teacher: TeacherIn,
     responses: ResponsesIn,

@@ -5,13 +5,14 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import DrafterIn, HeadIn, ResponsesIn, TeacherIn, VFMIn, admit, run_sharded
 from a2d.specs import EvalSpec, RunOptions
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import evaluate as stage
 
 
-@flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
+@flow(name="eval", on_crashed=[on_crashed], task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def eval_flow(
     teacher: TeacherIn,
     responses: ResponsesIn,

@@ -16,6 +16,7 @@ from a2d.flows.outcomes import Outcome, observe, table
 from a2d.flows.policy import config_parts, refusal
 from a2d.flows.prompts import prompts_flow
 from a2d.flows.responses import responses_flow
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.teacher import teacher_flow
 from a2d.flows.trajectories import trajectories_flow
 from a2d.flows.vfm import vfm_flow
@@ -158,7 +159,7 @@ def plan(config: PipelineConfig, until: str = STAGES[-1]) -> Refs:
     return refs
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", on_crashed=[on_crashed], log_prints=True)
 def pipeline(config: PipelineConfig = PipelineConfig(), until: StageName = STAGES[-1]) -> Refs:
     """teacher → prompts → responses → anchors → drafter → trajectories → head → vfm → eval: each stage reuses a complete artifact and resumes a partial one."""
     refused = refusal(**config_parts(config))  # a served run: before any work

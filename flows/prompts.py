@@ -5,13 +5,16 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import TeacherIn, admit, run_sharded
 from a2d.specs import PromptSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import prompts as stage
 
 
-@flow(name="prompts", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
+@flow(
+    name="prompts", on_crashed=[on_crashed], task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True
+)
 def prompts_flow(
     teacher: TeacherIn,
     spec: PromptSpec = PromptSpec(),

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from a2d.flows.outcomes import Outcome, observe
 from a2d.flows.pipeline import STEPS, Refs, preflight
 from a2d.flows.policy import config_parts, refusal
+from a2d.flows.run_logs import on_crashed
 from a2d.specs import PipelineConfig
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.runtime import in_prefect_run, logger
@@ -48,7 +49,7 @@ def summary(config: PipelineConfig, outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-@flow(name="regenerate-data", log_prints=True)
+@flow(name="regenerate-data", on_crashed=[on_crashed], log_prints=True)
 def regenerate_data(config: PipelineConfig = PipelineConfig()) -> Refs:
     """Rebuild prompts → responses → anchors → trajectories where their inputs changed; the teacher is reused."""
     refused = refusal(**config_parts(config))  # a served run: before any work

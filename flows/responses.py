@@ -5,13 +5,19 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import PromptsIn, TeacherIn, admit, run_sharded
 from a2d.specs import ResponseSpec, RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import responses as stage
 
 
-@flow(name="responses", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
+@flow(
+    name="responses",
+    on_crashed=[on_crashed],
+    task_runner=ThreadPoolTaskRunner(max_workers=8),
+    log_prints=True,
+)
 def responses_flow(
     prompts: PromptsIn,
     teacher: TeacherIn,

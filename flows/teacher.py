@@ -6,13 +6,16 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from a2d.flows.policy import refusal
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import run_sharded
 from a2d.specs import RunOptions, TeacherSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import teacher as stage
 
 
-@flow(name="teacher", task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=True)
+@flow(
+    name="teacher", on_crashed=[on_crashed], task_runner=ThreadPoolTaskRunner(max_workers=4), log_prints=True
+)
 def teacher_flow(
     spec: TeacherSpec = TeacherSpec(), store: str = "./a2d-store", opts: RunOptions = RunOptions()
 ) -> ArtifactRef:

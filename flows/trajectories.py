@@ -5,13 +5,19 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import AnchorsIn, ResponsesIn, admit, run_sharded
 from a2d.specs import RunOptions, TrajectorySpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import trajectories as stage
 
 
-@flow(name="trajectories", task_runner=ThreadPoolTaskRunner(max_workers=8), log_prints=True)
+@flow(
+    name="trajectories",
+    on_crashed=[on_crashed],
+    task_runner=ThreadPoolTaskRunner(max_workers=8),
+    log_prints=True,
+)
 def trajectories_flow(
     responses: ResponsesIn,
     anchors: AnchorsIn,

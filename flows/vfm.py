@@ -5,13 +5,14 @@ from __future__ import annotations
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from a2d.flows.run_logs import on_crashed
 from a2d.flows.stage import HeadIn, ResponsesIn, admit, run_sharded
 from a2d.specs import RunOptions, TrainOptions, VFMSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.tasks import vfm as stage
 
 
-@flow(name="vfm", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
+@flow(name="vfm", on_crashed=[on_crashed], task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
 def vfm_flow(
     head: HeadIn,
     responses: ResponsesIn,

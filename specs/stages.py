@@ -28,9 +28,9 @@ TITLES = {
     "lm_eval_tasks": "lm-eval tasks",
     "lm_eval_limit": "lm-eval documents per task",
     "lm_eval_decoder": "lm-eval decoder",
-    "hub_id": "Hub dataset id",
+    "hub_id": "Hub dataset ID",
     "hub_revision": "Hub dataset revision",
-    "repo_id": "Hub repository id",
+    "repo_id": "Hub repository ID",
     "head_key": "Head artifact key",
     "gamma": "Position-weight decay γ",
     "target_layers": "Target layers read (output of layer k)",
@@ -46,6 +46,14 @@ ACRONYMS = {
     "align": "alignment",
     "len": "length",
     "dtype": "data type",
+    "lr": "learning rate",
+    "grad": "gradient",
+    "accum": "accumulation",
+    "seq": "sequence",
+    "num": "number of",
+    "wandb": "W&B",
+    "id": "ID",
+    "repo": "repository",
 }
 
 

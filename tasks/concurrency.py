@@ -18,7 +18,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from a2d.tasks.runtime import in_prefect_run
+from a2d.tasks.runtime import in_prefect_run, logger
 
 GPU_LIMIT = "gpu"
 
@@ -75,6 +75,16 @@ def gpu_slot(occupy: int = 1, name: str = GPU_LIMIT) -> Iterator[None]:
     if not in_prefect_run() or not limit_exists(name):
         yield
         return
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    if limit.active_slots + occupy > limit.limit:
+        logger().info(
+            "waiting for a free %r slot: %d of %d held by other runs (one slot is one device's worth of "
+            "work; `a2d serve --gpu-slots` sizes the limit on a new server)",
+            name,
+            limit.active_slots,
+            limit.limit,
+        )
     with concurrency(
         name,
         occupy=occupy,

@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from a2d.models import decoders as registry
 from a2d.models.block_decode import Decoded
-from a2d.models.generate import eos_ids
 from a2d.models.metrics import family_aup, summarise_decoder
 from a2d.models.report import markdown_report, plot_speed_quality, text_table
 from a2d.models.student import Student, base_is
@@ -29,8 +28,9 @@ from a2d.stores.readers import EVAL_SHARD, read_held_out, read_metrics, read_pro
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import artifact_key as prefect_key
+from a2d.tasks.resources import resources_from_store
 from a2d.tasks.runtime import in_prefect_run, logger
-from a2d.tasks.students import head_student, load_drafter, load_flow_map, load_student, load_vfm
+from a2d.tasks.students import head_student
 
 STAGE = "eval"
 FORMAT_VERSION = 5  # 5: an unquantized base in the teacher's dtype is the teacher: ar:greedy is the reference
@@ -231,29 +231,13 @@ def evaluate(
     rows = balanced(read_held_out(store, refs["responses"]), spec.max_samples)
     if not rows:
         raise ValueError("no held-out prompts: raise prompts.eval_fraction so the eval split is not empty")
-    student, dspec = load_student(store, refs["head"], device)
+    res, dspec, tok = resources_from_store(store, refs, spec.max_new_tokens, device)
+    student, teacher = res.student, res.teacher
     teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
     remote = teacher_stage.trusts_remote_code(store, refs["teacher"])
-    teacher, tok = teacher_stage.tm.load_teacher(teacher_dir, device=device, trust_remote_code=remote)
-    eos = eos_ids(teacher, tok)
     head_spec = HeadSpec.model_validate(store.manifest(refs["head"])["spec"])
-    vfm = None
-    if "vfm" in refs:
-        vfm = (load_vfm(store, refs["vfm"], device), load_flow_map(store, refs["vfm"], student, device))
-    drafter = load_drafter(store, refs["drafter"], refs["teacher"], device) if "drafter" in refs else None
-    res = registry.Resources(
-        student,
-        eos,
-        spec.max_new_tokens,
-        device=device,
-        teacher=teacher,
-        vfm=vfm,
-        drafter=drafter,
-        pad_id=tok.pad_token_id,
-        logit_alignment=dspec.logit_alignment,
-        # same base, attention and scope, a fresh rank-1 adapter and mask embedding
-        untrained=lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1),
-    )
+    # same base, attention and scope, a fresh rank-1 adapter and mask embedding
+    res.untrained = lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1)
     names = decoder_names(spec, "vfm" in refs, "drafter" in refs)
     built, skipped = {}, {}
     reference = REFERENCE_BASE

@@ -7,11 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from a2d.models import decoders as registry
-from a2d.models import teacher as tm
-from a2d.models.generate import eos_ids
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore
-from a2d.tasks import teacher as teacher_stage
-from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
+from a2d.tasks.resources import has_drafter, needs_teacher, refs_for, resources_from_store
 
 
 @dataclass
@@ -66,10 +63,14 @@ def generate(
     if decoder is None:
         decoder = "spec:drafter+lookup" if has_drafter(store, teacher) else "spec:head+lookup"
     registry.describe(decoder)  # an unknown name is refused before the model loads
-    student, dspec = load_student(store, head, device)
-    tok = student.tok
+    res, _, tok = resources_from_store(
+        store,
+        refs_for(store, head, decoder),
+        max_new_tokens,
+        device,
+        teacher=needs_teacher(store, head, decoder),
+    )
     ids = prompt_ids(tok, prompt)
-    eos = eos_ids(student.inner, tok)
     steps: list[list[int]] = []
     shown = [""]
 
@@ -81,29 +82,6 @@ def generate(
             on_text(now[len(shown[0]) :])
             shown[0] = now
 
-    vfm = None
-    if registry.describe(decoder).family in ("vfm",) or decoder == "spec:vfm":
-        ref = newest_vfm(store, head)
-        vfm = (load_vfm(store, ref, device), load_flow_map(store, ref, student, device))
-    drafter, plain = None, None
-    if "drafter" in registry.describe(decoder).needs:
-        drafter = load_drafter(store, newest_drafter(store, teacher), teacher, device)
-        if student.info.quantization == "none":  # the teacher is the base: it verifies, no PEFT wrappers
-            remote = teacher_stage.trusts_remote_code(store, teacher)
-            plain, _ = tm.load_teacher(
-                teacher_stage.local_dir(store, teacher), device=device, trust_remote_code=remote
-            )
-    res = registry.Resources(
-        student,
-        eos,
-        max_new_tokens,
-        device=device,
-        vfm=vfm,
-        teacher=plain,
-        drafter=drafter,
-        pad_id=tok.pad_token_id,
-        logit_alignment=dspec.logit_alignment,
-    )
     run = registry.build(decoder, res, on_step=on_step)
     start = time.perf_counter()
     out = run(ids)
@@ -125,40 +103,6 @@ def prompt_ids(tok, prompt: str) -> list[int]:
         )
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(prompt)["input_ids"]
-
-
-def newest_vfm(store: ArtifactStore, head: ArtifactRef) -> ArtifactRef:
-    """The newest complete vfm artifact trained on `head`; an error saying what to run when none is."""
-    vfms = [
-        r
-        for r in store.iter_refs("vfm")
-        if store.is_complete(r) and store.manifest(r)["upstream"].get("head") == head.key
-    ]
-    if not vfms:
-        raise ValueError(f"no vfm artifact of head {head.key}: run `a2d run CONFIG --until vfm` first")
-    return max(vfms, key=lambda r: store.manifest(r)["created"])
-
-
-def has_drafter(store: ArtifactStore, teacher: ArtifactRef) -> bool:
-    try:
-        newest_drafter(store, teacher)
-    except ValueError:
-        return False
-    return True
-
-
-def newest_drafter(store: ArtifactStore, teacher: ArtifactRef) -> ArtifactRef:
-    """The newest complete drafter artifact of `teacher`; an error saying what to run when none is."""
-    found = [
-        r
-        for r in store.iter_refs("drafter")
-        if store.is_complete(r) and store.manifest(r)["upstream"].get("teacher") == teacher.key
-    ]
-    if not found:
-        raise ValueError(
-            f"no drafter artifact of teacher {teacher.key}: run `a2d run CONFIG --until drafter` first"
-        )
-    return max(found, key=lambda r: store.manifest(r)["created"])
 
 
 def render_steps(gen: Generation) -> str:

@@ -13,6 +13,7 @@ discovery) or, for lm-eval 0.4.13, through `a2d.tasks.harness_hook` (installed a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -22,11 +23,10 @@ from lm_eval.api.registry import register_model
 
 from a2d.models import decoders as registry
 from a2d.models.block_decode import Decoded
-from a2d.models.generate import eos_ids
 from a2d.models.student import Student
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.generation import find_head
-from a2d.tasks.students import load_drafter, load_flow_map, load_student, load_vfm
+from a2d.tasks.resources import needs_teacher, resources_from_store
 
 
 @register_model("a2d")
@@ -54,43 +54,37 @@ class A2DLM(LM):
             device = "cpu"  # lm-eval's command line defaults to cuda; a CPU machine runs on the CPU
         self.store = ArtifactStore(store)
         self.head_ref = find_head(self.store, head)
-        if student is None:
-            student, dspec = load_student(self.store, self.head_ref, device)
-        self.student, self.dspec = student, dspec
-        self.decoder = decoder
-        self.max_gen_toks = int(max_gen_toks)
-        loaded = None
+        refs = {"head": self.head_ref}
         if "vfm" in info.needs:
             if not vfm:
                 raise ValueError(f"decoder={decoder} needs vfm=KEY (a vfm artifact of this head)")
-            ref = self.store.find(f"vfm/{vfm}")
-            loaded = (load_vfm(self.store, ref, device), load_flow_map(self.store, ref, student, device))
-        self.drafter = None
+            refs["vfm"] = self.store.find(f"vfm/{vfm}")
         if "drafter" in info.needs:
             if not drafter:
                 raise ValueError(
                     f"decoder={decoder} needs drafter=KEY (a drafter artifact of this head's teacher)"
                 )
-            teacher = self.store.ref("teacher", self.store.manifest(self.head_ref)["upstream"]["teacher"])
-            self.drafter = load_drafter(self.store, self.store.find(f"drafter/{drafter}"), teacher, device)
-        self.tok = student.tok
-        self.eos = eos_ids(student.inner, self.tok)
-        self.decode_device, self.vfm = device, loaded
+            refs["drafter"] = self.store.find(f"drafter/{drafter}")
+        # the decoders' inputs as the eval and `a2d generate` build them (logit_alignment included)
+        self.res, self.dspec, self.tok = resources_from_store(
+            self.store,
+            refs,
+            int(max_gen_toks),
+            device,
+            teacher=needs_teacher(self.store, self.head_ref, decoder),
+            student=student,
+            dspec=dspec,
+        )
+        self.student, self.eos = self.res.student, self.res.eos
+        self.decoder = decoder
+        self.max_gen_toks = int(max_gen_toks)
         self._built: dict[int, registry.Decoder] = {}  # one decoder per budget
         self.totals = {"requests": 0, "tokens": 0, "forwards": 0, "seconds": 0.0}
 
     # -- generation ------------------------------------------------------------------------------------------
     def _decode(self, ids: list[int], budget: int) -> Decoded:
         if budget not in self._built:
-            res = registry.Resources(
-                self.student,
-                self.eos,
-                budget,
-                device=self.decode_device,
-                vfm=self.vfm,
-                drafter=self.drafter,
-                pad_id=self.tok.pad_token_id,
-            )
+            res = dataclasses.replace(self.res, max_new_tokens=budget)
             self._built[budget] = registry.build(self.decoder, res)
         return self._built[budget](ids)
 

@@ -98,11 +98,14 @@ def test_gpu_flows_follow_the_gpu_task_tags():
 
 def test_deployment_defaults_are_the_config(tmp_path):
     config = tiny_config(str(tmp_path / "s"), "name=unit")
-    deployments = {d.flow_name: d for d in build_deployments(config, cron="0 3 * * *")}
+    deployments = {
+        d.flow_name: d for d in build_deployments(config, cron="0 3 * * *", timezone="Europe/Paris")
+    }
     assert set(deployments) == {s.name for s in registry()}
     refs = planned_refs(config)
     for d in deployments.values():
-        assert d.name == "unit" and d.enforce_parameter_schema
+        assert d.name == f"unit · {d.flow_name}" and d.enforce_parameter_schema
+        assert d.tags == ["a2d", "cpu"]  # no GPU here (run.device auto): no stage is a GPU job
         schema = d._parameter_openapi_schema.model_dump(exclude_unset=True)  # what the server enforces
         validate(d.parameters, schema, raise_on_error=True)
         assert not any(p["title"] in ("spec", "opts", "teacher_spec") for p in schema["properties"].values())
@@ -114,7 +117,11 @@ def test_deployment_defaults_are_the_config(tmp_path):
     assert teacher_field["title"] == "Teacher artifact key"
     assert deployments["prompts"].parameters["spec"] == config.prompts.model_dump(mode="json")
     assert deployments["anchors"].parameters["opts"] == config.run.model_dump(mode="json")
-    assert [s.schedule.cron for s in deployments["regenerate-data"].schedules] == ["0 3 * * *"]
+    (schedule,) = [s.schedule for s in deployments["regenerate-data"].schedules]
+    assert (schedule.cron, schedule.timezone) == ("0 3 * * *", "Europe/Paris")
+    on_gpu = tiny_config(str(tmp_path / "s"), "name=unit", "run.device=cuda")
+    tags = {d.flow_name: d.tags for d in build_deployments(on_gpu)}
+    assert tags["head"] == ["a2d", "gpu"] and tags["prompts"] == ["a2d", "cpu"]
     assert not deployments["pipeline"].schedules
     # A relative local store is pinned to where `a2d serve` was started.
     rel = {d.flow_name: d for d in build_deployments(tiny_config("rel-store"))}["pipeline"]
@@ -200,6 +207,19 @@ def test_parameter_schema_snapshot(served):
         path.write_text(text)
     assert path.is_file(), f"no snapshot {path.name}: run with A2D_UPDATE_SNAPSHOTS=1"
     assert json.loads(path.read_text()) == schema, f"{served.name} parameters changed: review, then update"
+    # no field keeps a title made from its name ("Lr schedule", "Lora Rank"): each reads as a person
+    # writes it, abbreviations spelled out or in their own case
+    raw = {"lr", "lora", "vfm", "lm", "id", "wandb", "num", "grad", "accum", "len", "seq", "repo", "r"}
+    proper = {"LoRA", "VFM", "LM", "ID"}
+    auto = [
+        f"{where}.{name}: {prop.get('title')!r}"
+        for where, definition in [("(top)", schema), *schema["definitions"].items()]
+        for name, prop in definition["properties"].items()
+        if not prop.get("title")
+        or prop["title"] == name.replace("_", " ").title() != name.replace("_", " ").capitalize()
+        or any(w.lower() in raw and w not in proper for w in prop["title"].split())
+    ]
+    assert not auto, auto
     run_options = schema["definitions"].get("RunOptions")
     if run_options is not None:
         assert run_options["properties"]["batch_size"]["minimum"] == 1
@@ -277,6 +297,33 @@ def test_gpu_slot_is_held_while_the_block_runs():
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(name)
         assert limit.limit == 1 and limit.active_slots == 0
+        # A run that finds every slot held says so in its log before it waits.
+        import io
+        import logging
+        import threading
+
+        from prefect.concurrency.sync import concurrency
+
+        buf, got = io.StringIO(), []
+        handler = logging.StreamHandler(buf)
+        task_logs = logging.getLogger("prefect.task_runs")
+        level = task_logs.level
+        task_logs.addHandler(handler)
+        task_logs.setLevel(logging.INFO)  # the test harness runs Prefect at WARNING
+        try:
+            with concurrency(name, occupy=1, strict=True):
+                waiting = threading.Thread(target=lambda: got.append(probe()))
+                waiting.start()
+                deadline = time.monotonic() + 60
+                while "waiting for a free" not in buf.getvalue():
+                    assert time.monotonic() < deadline and waiting.is_alive(), buf.getvalue()
+                    time.sleep(0.2)
+                assert not got  # still waiting while the slot is held
+            waiting.join(60)
+        finally:
+            task_logs.removeHandler(handler)
+            task_logs.setLevel(level)
+        assert got == [1] and "1 of 1 held by other runs" in buf.getvalue()
     finally:
         with get_client(sync_client=True) as client:
             client.delete_global_concurrency_limit_by_name(name)
@@ -406,7 +453,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
 
         def registered() -> bool:
             try:
-                return client.read_deployment_by_name("pipeline/e2e") is not None
+                return client.read_deployment_by_name("pipeline/e2e · pipeline") is not None
             except ObjectNotFound:
                 return False
 
@@ -427,7 +474,9 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         assert crash.actions[0].state == "CRASHED"
 
         def run() -> None:
-            flow_run = run_deployment("pipeline/e2e", parameters=params, timeout=300, poll_interval=1)
+            flow_run = run_deployment(
+                "pipeline/e2e · pipeline", parameters=params, timeout=300, poll_interval=1
+            )
             assert flow_run.state.is_completed(), (
                 f"{flow_run.state}\n{log.read_text(errors='replace')[-3000:]}"
             )
@@ -474,7 +523,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         assert client.read_global_concurrency_limit_by_name("gpu").active_slots == 0
 
         # A bad value is refused by the server before any run exists.
-        deployment = client.read_deployment_by_name("pipeline/e2e")
+        deployment = client.read_deployment_by_name("pipeline/e2e · pipeline")
         only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
         runs_before = len(client.read_flow_runs(deployment_filter=only_this))
         bad = {**params, "config": {**params["config"], "run": {**params["config"]["run"], "batch_size": -1}}}
@@ -489,6 +538,25 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         ):  # a pydantic check, in the schema too
             client.create_flow_run_from_deployment(deployment.id, parameters=odd)
         assert len(client.read_flow_runs(deployment_filter=only_this)) == runs_before == 2
+
+        # A refusal (another store root than the policy allows; a key naming no artifact) ends its run
+        # Failed with one line, and the run's log holds that line and no traceback.
+        elsewhere = {**params, "config": {**params["config"], "store": str(tmp_path / "elsewhere")}}
+        for name, parameters, says in (
+            ("pipeline/e2e · pipeline", elsewhere, "not an allowed store root"),
+            (
+                "prompts/e2e · prompts",
+                {"teacher": "0123456789abcdef"},
+                "no complete teacher artifact 0123456789abcdef",
+            ),
+        ):
+            refused = run_deployment(name, parameters=parameters, timeout=300, poll_interval=1)
+            assert refused.state.is_failed() and says in refused.state.message, refused.state
+            lines = _log_lines(client, refused.id, until="Finished in state")
+            assert any(says in line for line in lines) and not any("Traceback" in line for line in lines), (
+                lines
+            )
+        assert not (tmp_path / "elsewhere").exists()
 
         # A run whose process is SIGKILLed mid-stage (responses, one shard per prompts shard) is marked
         # Crashed; Retry (what the UI's button sends) resumes it from the shards that were finished.
@@ -519,6 +587,26 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         assert ServePolicy.model_validate_json(environ[POLICY_ENV.encode()]) == policy_for(config)
         done_before = len(_finished(markers))
         _wait_for_state(client, flow_run.id, "CRASHED", 60)
+        # Its log says what ended it, and the stage subflow that was running in the killed process
+        # is Crashed too (the runner runs every a2d flow's crashed hook, a2d.flows.run_logs.on_crashed).
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+        below = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))
+
+        def children_final() -> bool:
+            return all(c.state.is_final() for c in client.read_flow_runs(flow_run_filter=below))
+
+        deadline = time.monotonic() + 60
+        while not children_final():
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        states = {
+            client.read_flow(c.flow_id).name: c.state.type.value
+            for c in client.read_flow_runs(flow_run_filter=below)
+        }
+        assert states.get("responses") == "CRASHED" and states.get("prompts") == "COMPLETED", states
+        crashed = "run crashed: Process exited with status code: -9"
+        assert any(crashed in line for line in _log_lines(client, flow_run.id, until=crashed))
         shards = len(_finished(store / "prompts" / crash_refs["prompts"].key / "_markers"))
         assert done_before < shards, "the stage finished before the kill: nothing to resume"
 
@@ -536,7 +624,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         # A stage deployment takes its inputs as keys (the form's text fields): the responses stage
         # started with the prompts key the first run built finds that artifact and reuses its own.
         stage_run = run_deployment(
-            "responses/e2e", parameters={"prompts": prompts_key}, timeout=300, poll_interval=1
+            "responses/e2e · responses", parameters={"prompts": prompts_key}, timeout=300, poll_interval=1
         )
         assert stage_run.state.is_completed(), stage_run.state
         assert _tables(client, "a2d-responses")[-1] == {
@@ -544,6 +632,20 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             "reused": True,
             "seconds": _tables(client, "a2d-responses")[-1]["seconds"],
         }
+
+
+def _log_lines(client, flow_run_id, until: str = "", timeout: float = 30) -> list[str]:
+    """The run's log lines on the server, once one contains `until` (a run's logs reach the server
+    in batches, after its state) or `timeout` passes."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [entry.message for entry in client.read_logs(log_filter=only)]
+        if any(until in line for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)
 
 
 def _finished(markers: Path) -> list[Path]:
@@ -687,3 +789,50 @@ def test_crash_detection_is_one_automation_per_server():
     assert made.trigger.posture == "Proactive" and made.trigger.within.total_seconds() == 90
     assert made.trigger.for_each == {"prefect.resource.id"} and made.actions[0].state == "CRASHED"
     made.delete()
+
+
+def test_a_refusal_logs_one_line_and_a_real_error_keeps_its_traceback():
+    """A returned Failed state re-raised by Prefect (a refused stage under its pipeline, a refused run
+    in a served run's engine) is logged without Prefect's frames; an exception keeps its traceback."""
+    import io
+    import logging
+
+    from prefect.exceptions import FailedRun
+    from prefect.flow_engine import run_flow
+    from prefect.states import Failed
+
+    import a2d.flows  # noqa: F401  (installs the filter, as any a2d flow module does)
+
+    @flow
+    def refused_stage():
+        return Failed(message="no complete teacher artifact 0123456789abcdef in file:///s")
+
+    @flow
+    def parent():
+        refused_stage()
+
+    @flow
+    def refused_run():
+        return Failed(message="refused by the serve policy before any work: store /x")
+
+    @flow
+    def broken():
+        raise RuntimeError("a real bug")
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    run_logs = logging.getLogger("prefect.flow_runs")
+    run_logs.addHandler(handler)
+    try:
+        logs = {}
+        for f in (parent, refused_run, broken):
+            start = buf.tell()
+            with pytest.raises((FailedRun, RuntimeError)):
+                run_flow(f, error_logger=run_logs)  # what a served run's process calls
+            logs[f.name] = buf.getvalue()[start:]
+    finally:
+        run_logs.removeHandler(handler)
+    assert "failed: no complete teacher artifact 0123456789abcdef" in logs["parent"]
+    assert "Traceback" not in logs["parent"] and "Traceback" not in logs["refused-run"]
+    assert "Engine execution exited" not in logs["refused-run"]
+    assert logs["broken"].count("Traceback") == 2 and "RuntimeError: a real bug" in logs["broken"]

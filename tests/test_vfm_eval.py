@@ -28,6 +28,7 @@ SMALL = [  # the 27B family's architecture (Gated DeltaNet + full attention), 4 
     "vfm.max_len=12",
     "eval.max_samples=3",
     "eval.max_new_tokens=8",
+    "eval.decoders=null",  # every decoder (configs/tiny.yaml runs a smoke set of them)
 ]
 
 
@@ -441,3 +442,39 @@ def test_the_eval_stage_runs_lm_eval_tasks_and_reuses_them(built):
     assert (
         st.loc(first).local_path() / "manifest.json"
     ).stat().st_mtime_ns == manifest  # reused, not rebuilt
+
+
+@pytest.mark.slow
+def test_an_aligned_head_decodes_one_way_in_the_eval_lm_eval_and_a2d_generate(built):
+    """The decoders' inputs come from one assembly (`a2d.tasks.resources.resources_from_store`): a head
+    trained `logit_alignment: aligned` decodes the same tokens in the eval stage, the lm-eval model
+    and `a2d generate` (the lm-eval model's own assembly once dropped the alignment)."""
+    import dataclasses
+
+    from a2d.models import decoders as registry
+    from a2d.stores.readers import read_held_out
+    from a2d.tasks.generation import generate, prompt_ids
+    from a2d.tasks.harness import A2DLM
+    from a2d.tasks.resources import resources_from_store
+
+    store, cfg, _ = built
+    aligned = cfg.model_copy(
+        update={
+            "head": cfg.head.model_copy(update={"logit_alignment": "aligned"}),
+            "eval": cfg.eval.model_copy(update={"decoders": ("threshold:0.5",)}),
+        }
+    )
+    refs = pipeline(aligned, until="eval")
+    st = ArtifactStore(store)
+    assert st.manifest(refs["head"])["spec"]["logit_alignment"] == "aligned"
+    doc = json.loads((st.loc(refs["eval"]).local_path() / "report" / "metrics.json").read_text())
+    want = doc["decoders"]["threshold:0.5"]["outputs"]
+    rows = read_held_out(st, refs["responses"])[: cfg.eval.max_samples]
+    lm = A2DLM(store=store, head=refs["head"].key, decoder="threshold:0.5")
+    assert [lm._decode(r["prompt_ids"], cfg.eval.max_new_tokens).tokens for r in rows] == want
+    gen = generate(st, refs["head"], "What is 12 + 30?", "threshold:0.5", max_new_tokens=8)
+    assert gen.tokens == lm._decode(prompt_ids(lm.tok, "What is 12 + 30?"), 8).tokens
+    # the alignment changes what is decoded: read as shifted, the same head decodes otherwise
+    res = resources_from_store(st, {"head": refs["head"]}, cfg.eval.max_new_tokens, teacher=False).res
+    shifted = registry.build("threshold:0.5", dataclasses.replace(res, logit_alignment="shifted"))
+    assert [shifted(r["prompt_ids"]).tokens for r in rows] != want
