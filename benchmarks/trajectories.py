@@ -10,7 +10,6 @@ the Parquet bytes with the JSON d3LLM would write. Writes benchmarks/results/tra
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
     args = ap.parse_args()
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from a2d.flows.cli import prefect_session
     from a2d.flows.pipeline import pipeline
 
     store = tempfile.mkdtemp(prefix="a2d-bench-traj-")
@@ -51,7 +50,8 @@ def main() -> None:
             f"trajectories.steps_per_block={args.block}",
         ],
     )
-    refs = pipeline(cfg, until="trajectories")
+    with prefect_session():  # the CLI's Prefect settings: its temporary server's startup timeout
+        refs = pipeline(cfg, until="trajectories")
     st = ArtifactStore(store)
     manifest = st.manifest(refs["trajectories"])
     stored = manifest["bytes"]

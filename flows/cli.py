@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from a2d.specs import STAGES, ConfigError, load_config
@@ -350,26 +352,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextmanager
+def prefect_session() -> Iterator[int]:
+    """The Prefect settings every a2d entry point runs flows under (the CLI, the benchmarks); yields
+    the temporary server's startup timeout in seconds.
+
+    The temporary Prefect server a run may start stays off the network unless the user opts in
+    (offline machines otherwise log a telemetry error on every run), and gets 180 s to start where
+    Prefect gives 20 s (a loaded laptop, or 2 busy cores, needs more). Prefect reads its settings
+    when it is imported, so the environment alone is too late: they are set here for this process
+    too. Processes a run starts inherit both through the environment."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    os.environ.setdefault(STARTUP_TIMEOUT_VAR, str(STARTUP_TIMEOUT_S))
+    startup_s = int(float(os.environ[STARTUP_TIMEOUT_VAR]))
+    with temporary_settings(
+        updates={
+            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup_s,
+        }
+    ):
+        yield startup_s
+
+
 def main(argv: list[str] | None = None) -> int:
     from prefect.exceptions import FailedRun
 
     from a2d.stores.artifacts import StoreWriteError
 
-    # The temporary Prefect server a run may start inherits this: it stays off the network unless
-    # the user opts in (offline machines otherwise log a telemetry error on every run).
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # Prefect gives its temporary server 20 s to start; a loaded laptop (or 2 busy cores) needs more.
-    # Prefect read its settings when it was imported (above): the environment alone is too late here.
-    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
-
-    os.environ.setdefault(STARTUP_TIMEOUT_VAR, str(STARTUP_TIMEOUT_S))  # for processes a run starts
-    startup_s = int(float(os.environ[STARTUP_TIMEOUT_VAR]))
+    startup_s = int(float(os.environ.get(STARTUP_TIMEOUT_VAR, STARTUP_TIMEOUT_S)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
-        with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup_s}):
+        with prefect_session():
             return args.fn(args)
     except (ConfigError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)

@@ -62,16 +62,17 @@ def observe(store: ArtifactStore, planned: ArtifactRef, run) -> tuple[ArtifactRe
 
 
 def table(outcomes: list[Outcome]) -> list[dict]:
-    """The rows of a run's summary table artifact."""
+    """The rows of a run's summary table artifact: the link to each stage's page first (the UI
+    draws the columns in this order, and the long URI last, so a narrow window shows the links)."""
     return [
         {
+            "artifact": stage_table_link(o.stage),
             "stage": o.stage,
-            "key": o.key,
             "outcome": o.outcome,
             "seconds": round(o.seconds, 1),
             "size_mb": round(o.bytes / 2**20, 2),
+            "key": o.key,
             "uri": o.uri,
-            "artifact": stage_table_link(o.stage),
         }
         for o in outcomes
     ]

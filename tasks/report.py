@@ -15,6 +15,10 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+# the columns every stage's row has; the rest are the stage's own metrics (held-out τ, losses, ...)
+STANDARD = ("stage", "key", "uri", "rows", "tokens", "bytes", "shards", "seconds", "reused", "resumed_shards")
+
+
 def stage_row(store: ArtifactStore, ref: ArtifactRef, seconds: float, reused: bool) -> dict:
     manifest = store.manifest(ref)
     metrics = manifest.get("metrics", {})
@@ -48,7 +52,9 @@ def publish_stage_table(
     create_table_artifact(
         key=artifact_key("a2d", ref.stage),
         table=[row],
-        description=f"{ref.stage} artifact {ref.key} ({did})",
+        description=f"**{ref.stage}** `{ref.key}` ({did} in {seconds:.1f} s): {row['rows']} rows, "
+        f"{row['tokens']} tokens, {row['bytes']:,} bytes in {row['shards']} shards at `{ref.uri}`"
+        + "".join(f"; {k} {v}" for k, v in row.items() if k not in STANDARD and not isinstance(v, bool)),
     )
     lineage = store.lineage(ref)
     lines = [
@@ -71,13 +77,15 @@ def publish_stage_table(
 
 
 class Progress:
-    """A Prefect progress artifact updated at most every `every` items (a no-op outside a run)."""
+    """A Prefect progress artifact updated at most every `every` items (a no-op outside a run), keyed
+    by what it counts (`a2d-responses-part-00001-progress`), so the Artifacts page names it."""
 
     def __init__(self, total: int, description: str, every: int = 1):
         self.total, self.done, self.every = max(total, 1), 0, max(every, 1)
-        self.id = (
-            create_progress_artifact(progress=0.0, description=description) if in_prefect_run() else None
-        )
+        self.id = None
+        if in_prefect_run():
+            key = artifact_key("a2d", description, "progress")
+            self.id = create_progress_artifact(progress=0.0, key=key, description=f"{description}: progress")
 
     def advance(self, n: int = 1) -> None:
         from prefect.artifacts import update_progress_artifact

@@ -496,6 +496,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         assert all(r["uri"] == refs[r["stage"]].uri and r["size_mb"] > 0 for r in summary)
         ui = prefect_server.removesuffix("/api")
         assert [r["artifact"] for r in summary] == [f"{ui}/artifacts/key/a2d-{r['stage']}" for r in summary]
+        assert list(summary[0])[:2] == ["artifact", "stage"] and list(summary[0])[-1] == "uri"  # links first
 
         # Lose one shard's marker and the manifest: a new run through the API rebuilds only that shard.
         folder = store / "prompts" / prompts_key
@@ -632,6 +633,73 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             "reused": True,
             "seconds": _tables(client, "a2d-responses")[-1]["seconds"],
         }
+
+        # The rest of the tiny pipeline through eval, as a person clicks it: it finishes in a time
+        # bounded against a bare forward of the tiny teacher, and its eval subflow logs one line per
+        # decoder (with tokens/s) as each finishes.
+        start = time.monotonic()
+        through = run_deployment(
+            "pipeline/e2e · pipeline", parameters={**params, "until": "eval"}, timeout=900, poll_interval=1
+        )
+        seconds = time.monotonic() - start
+        assert through.state.is_completed(), f"{through.state}\n{log.read_text(errors='replace')[-3000:]}"
+        forward = _bare_forward_seconds(store, refs["teacher"])
+        ratio = seconds / forward
+        print(
+            f"tiny pipeline drafter..eval served: {seconds:.1f} s = {ratio:.0f} bare forwards of {forward * 1e3:.1f} ms"
+        )
+        # 6,600 warm forwards (45 s) on 2 quiet cores (2026-12-04); the smoke run that took 47 min: ~400,000
+        assert ratio < 25_000, f"the tiny run through eval took {ratio:.0f} bare forwards"
+        from a2d.stores.artifacts import ArtifactStore
+
+        eval_ref = planned_refs(config)["eval"]
+        report = ArtifactStore(str(store)).loc(eval_ref).local_path() / "report" / "metrics.json"
+        ran = [
+            name
+            for name, d in json.loads(report.read_text())["decoders"].items()
+            if "tokens_per_s" in d and " @" not in name
+        ]
+        assert {"spec:drafter+lookup", "ar:greedy"} <= set(ran)
+        below = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[through.id]))
+        (eval_run,) = [
+            c
+            for c in client.read_flow_runs(flow_run_filter=below)
+            if client.read_flow(c.flow_id).name == "eval"
+        ]
+        lines = _log_lines(client, eval_run.id, until="committed")
+        logged = [m[1] for line in lines if (m := re.match(r"eval (\S+): [\d.]+ tokens/s", line))]
+        assert sorted(logged) == sorted(ran), (logged, ran)
+        # every artifact the runs made has a key (the Artifacts page lists none unnamed), and a stage's
+        # page says what its artifact holds without a click into the table
+        made = client.read_artifacts()
+        assert made and all(a.key for a in made), [a.type for a in made if not a.key]
+        (drafter_page,) = [a for a in made if a.key == "a2d-drafter" and a.type == "table"]
+        assert re.search(r"\d+ rows, \d+ tokens, [\d,]+ bytes", drafter_page.description), (
+            drafter_page.description
+        )
+
+
+def _bare_forward_seconds(store: Path, teacher) -> float:
+    """The median time of one forward of the stored teacher over 64 tokens, on this machine now
+    (after warm-up: a cold first forward costs several times a warm one)."""
+    import torch
+
+    from a2d.stores.artifacts import ArtifactStore
+    from a2d.tasks import teacher as teacher_stage
+
+    model, _ = teacher_stage.tm.load_teacher(
+        teacher_stage.local_dir(ArtifactStore(str(store)), teacher), device="cpu"
+    )
+    ids = torch.arange(2, 66)[None]
+    times = []
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: the first forwards build kernels and caches
+            model(ids)
+        for _ in range(15):
+            t = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def _log_lines(client, flow_run_id, until: str = "", timeout: float = 30) -> list[str]:
