@@ -54,7 +54,8 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
             needs = registry.describe(name).needs
             if ("vfm" in needs and not with_vfm) or ("drafter" in needs and not with_drafter):
                 raise ValueError(
-                    f"eval.decoders names {name}, but the eval has no {needs[-1]} artifact to run it"
+                    f"eval.decoders names {name}, but the eval has no {needs[-1]} artifact to run it: "
+                    f"remove it from eval.decoders, or set eval.decoders: null (every decoder that can run)"
                 )
         return ["ar:greedy", "ar:student-base", *dict.fromkeys(chosen)]
     names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]

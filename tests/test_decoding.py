@@ -505,3 +505,25 @@ def test_the_lean_canvas_is_the_library_canvas(family, extra):
             slow = speculative_decode(s, p, 20, [], LookupDrafter(3, 4), lean=False)
             assert fast.tokens == slow.tokens == ar_decode(model, p, 20, []).tokens
             assert fast.forwards == slow.forwards
+
+
+def test_the_spec_decoder_pattern_and_the_registry_name_the_same_decoders():
+    """specs cannot import the registry (the layers point down), so its decoder-name pattern is a
+    second list: every registry family a spec may name matches it, and every name it admits is one
+    the registry knows (spec:model needs an external draft model no spec provides)."""
+    import re
+
+    from a2d.models.decoders import FAMILIES, describe
+    from a2d.specs.stages import DECODER_NAME
+
+    samples = {"threshold": "threshold:0.5", "entropy": "entropy:1", "vfm": "vfm:k2"}
+    for family in FAMILIES:
+        name = samples.get(family, family)
+        describe(name)
+        assert bool(re.fullmatch(DECODER_NAME, name)) == (family != "spec:model"), name
+    for alternative in DECODER_NAME.removeprefix("^(").removesuffix(")$").split("|"):
+        name = (
+            alternative.replace("\\+", "+").replace("[0-9]*\\.?[0-9]+", "0.5").replace("k[1-9][0-9]*", "k3")
+        )
+        assert re.fullmatch(DECODER_NAME, name), alternative
+        describe(name)  # a name the pattern admits but the registry does not know raises here

@@ -243,7 +243,9 @@ def test_a_drafter_without_prompt_states_is_refused_before_any_stage_runs(tmp_pa
     odd = tiny_config(str(store), "anchors.layers=[0, 1]", "drafter.target_layers=[5]")
     state = pipeline(odd, until="drafter", return_state=True)
     assert state.is_failed() and "not all in anchors.layers" in state.message
-    without = plan(tiny_config(str(store), "drafter=null", "anchors.tokens=response"))
+    with pytest.raises(ValueError, match="names spec:drafter.lookup, but the eval has no drafter"):
+        plan(tiny_config(str(store), "drafter=null"))  # configs/tiny.yaml's eval names the drafter's decoder
+    without = plan(tiny_config(str(store), "drafter=null", "anchors.tokens=response", "eval.decoders=null"))
     assert "drafter" not in without  # the stage is skipped
     with_drafter = plan(tiny_config(str(store)))
     assert with_drafter["eval"].key != without["eval"].key  # the eval's key names the drafter it runs

@@ -88,7 +88,16 @@ def _candidates(value):
         out += [value + "x", "x", "all", "threshold:0.5"]  # the last: a decoder name (eval.lm_eval_decoder)
     if isinstance(value, list | tuple):
         out += [[0], [1], [0.5], [1, 2], ["x.jsonl"], list(value)[:-1], [*value, value[-1] if value else 1]]
-    out += ["x", 1, 0.5, [0], "0" * 16, 64, ["spec:head"], "spec:head"]  # whatever the field's type, one of these may fit
+    out += [
+        "x",
+        1,
+        0.5,
+        [0],
+        "0" * 16,
+        64,
+        ["spec:head"],
+        "spec:head",
+    ]  # whatever the field's type, one of these may fit
     return [c for c in out if c != value]
 
 
