@@ -235,7 +235,9 @@ def main() -> None:
         name: {"tokens": [], "forwards": [], "seconds": [], "outputs": [], "records": []} for name in names
     }
     with torch.no_grad():
-        for name in decoders:  # warm-up (spec:drafter+lookup times its verify forwards here, once)
+        for (
+            name
+        ) in decoders:  # warm-up (kernels, caches; spec:drafter+lookup timed its verify forwards when built)
             decoders[name](rows[0]["prompt_ids"][:8])
         hf_generate(library, rows[0]["prompt_ids"], n, eos, tok.pad_token_id)
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):
