@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +201,7 @@ def main() -> None:
     from a2d.models.ar import hf_generate
     from a2d.stores.readers import read_held_out
     from a2d.tasks import teacher as teacher_stage
-    from a2d.tasks.resources import resources_from_store
+    from a2d.tasks.resources import newest_vfm, resources_from_store
     from benchmarks.common import built, write_result
     from benchmarks.sets import by_set
 
@@ -211,14 +212,9 @@ def main() -> None:
     library, _ = teacher_stage.tm.load_teacher(
         teacher_stage.local_dir(store, refs["teacher"]), device="cpu", packed=False
     )
-    vfm_refs = [
-        r
-        for r in store.iter_refs("vfm")
-        if store.is_complete(r) and store.manifest(r)["upstream"]["head"] == refs["head"].key
-    ]
     wanted = {"head": refs["head"], "teacher": refs["teacher"]}
-    if vfm_refs:
-        wanted["vfm"] = vfm_refs[0]
+    with suppress(ValueError):  # no vfm of this head: the benchmark runs without spec:vfm
+        wanted["vfm"] = newest_vfm(store, refs["head"])
     if "drafter" in refs and store.is_complete(refs["drafter"]):
         wanted["drafter"] = refs["drafter"]
     n = args.max_new_tokens
@@ -235,9 +231,8 @@ def main() -> None:
         name: {"tokens": [], "forwards": [], "seconds": [], "outputs": [], "records": []} for name in names
     }
     with torch.no_grad():
-        for (
-            name
-        ) in decoders:  # warm-up (kernels, caches; spec:drafter+lookup timed its verify forwards when built)
+        # warm-up (kernels, caches; spec:drafter+lookup timed its verify forwards when it was built)
+        for name in decoders:
             decoders[name](rows[0]["prompt_ids"][:8])
         hf_generate(library, rows[0]["prompt_ids"], n, eos, tok.pad_token_id)
         for r in tqdm(rows, desc="decode benchmark", unit="prompt"):

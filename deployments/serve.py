@@ -349,8 +349,9 @@ def serve(
 ) -> None:
     """Serve every deployment to the server at PREFECT_API_URL until interrupted.
 
-    `cron` schedules `regenerate-data` (e.g. "0 3 * * *", in `timezone`, default this machine's); the `gpu` global concurrency limit is
-    created with `gpu_slots` slots when the server does not have it yet. `policy` (with what the
+    `cron` schedules `regenerate-data` (e.g. "0 3 * * *", in `timezone`, default this machine's);
+    the `gpu` global concurrency limit is created with `gpu_slots` slots when the server does not
+    have it yet. `policy` (with what the
     served config uses added, see `policy_for`) bounds every run of these deployments.
     """
     from prefect import serve as prefect_serve

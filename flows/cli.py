@@ -366,13 +366,14 @@ def prefect_session() -> Iterator[int]:
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     os.environ.setdefault(STARTUP_TIMEOUT_VAR, str(STARTUP_TIMEOUT_S))
-    startup_s = int(float(os.environ[STARTUP_TIMEOUT_VAR]))
-    with temporary_settings(
-        updates={
-            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup_s,
-        }
-    ):
+    startup_s = startup_seconds()
+    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup_s}):
         yield startup_s
+
+
+def startup_seconds() -> int:
+    """The temporary Prefect server's startup timeout: STARTUP_TIMEOUT_VAR, else 180 s."""
+    return int(float(os.environ.get(STARTUP_TIMEOUT_VAR, STARTUP_TIMEOUT_S)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from a2d.stores.artifacts import StoreWriteError
 
-    startup_s = int(float(os.environ.get(STARTUP_TIMEOUT_VAR, STARTUP_TIMEOUT_S)))
+    startup_s = startup_seconds()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -41,14 +41,18 @@ def lease_seconds() -> float:
     return seconds
 
 
-def limit_exists(name: str = GPU_LIMIT) -> bool:
-    """Whether the server at PREFECT_API_URL has a global concurrency limit called `name`."""
+def read_limit(name: str = GPU_LIMIT):
+    """The global concurrency limit `name` on the server at PREFECT_API_URL, or None."""
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(name)
+            return client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            return False
-    return True
+            return None
+
+
+def limit_exists(name: str = GPU_LIMIT) -> bool:
+    """Whether the server at PREFECT_API_URL has a global concurrency limit called `name`."""
+    return read_limit(name) is not None
 
 
 def ensure_limit(name: str = GPU_LIMIT, slots: int = 1) -> bool:
@@ -72,11 +76,10 @@ def gpu_slot(occupy: int = 1, name: str = GPU_LIMIT) -> Iterator[None]:
     Waits (without a timeout) until a slot is free; the slot is released when the block exits,
     also on an exception. `name` is for tests, which must not touch the real limit.
     """
-    if not in_prefect_run() or not limit_exists(name):
+    limit = read_limit(name) if in_prefect_run() else None
+    if limit is None:
         yield
         return
-    with get_client(sync_client=True) as client:
-        limit = client.read_global_concurrency_limit_by_name(name)
     if limit.active_slots + occupy > limit.limit:
         logger().info(
             "waiting for a free %r slot: %d of %d held by other runs (one slot is one device's worth of "
