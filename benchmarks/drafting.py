@@ -51,7 +51,7 @@ def tau_vs_rows(store, refs, spec, seqs_by_set, teacher, rows_grid, steps) -> li
     set; each is a throwaway training run in a temporary folder, as the stage trains (train_drafter)."""
     import tempfile
 
-    from a2d.models.drafter import DFlashDrafter
+    from a2d.models.drafter import DFlashDraftModel
     from a2d.specs import TrainOptions
     from a2d.stores import checkpoints
     from a2d.tasks.drafter import train_drafter
@@ -63,7 +63,7 @@ def tau_vs_rows(store, refs, spec, seqs_by_set, teacher, rows_grid, steps) -> li
             train = TrainOptions(checkpoint_every=steps, keep_checkpoints=1)
             result = train_drafter(store, refs, sub, train, Path(tmp), "cpu", max_train_rows=rows)
             last = checkpoints.latest(Path(tmp) / "checkpoints")
-            drafter = DFlashDrafter.load(last / "adapter").eval()
+            drafter = DFlashDraftModel.load(last / "adapter").eval()
             forced = forced_by_set(drafter, teacher, seqs_by_set, drafter.draft_vocab)
         curve.append(
             {
@@ -92,7 +92,7 @@ def main() -> None:
     from tqdm.auto import tqdm
 
     from a2d.models import decoders as registry
-    from a2d.models.speculative import DFlashDraft
+    from a2d.models.speculative import DFlashDrafter
     from a2d.specs import DrafterSpec
     from a2d.stores.anchors import AnchorReader
     from a2d.stores.readers import read_held_out
@@ -112,8 +112,8 @@ def main() -> None:
     teacher, drafter = res.teacher, res.drafter
     names = [m for m in DECODERS if not registry.missing(registry.describe(m), res)]
     decoders = {m: registry.build(m, res) for m in names}
-    drafts: list[DFlashDraft] = []  # every decode's drafter object (its own forwards and seconds)
-    original_init = DFlashDraft.__init__
+    drafts: list[DFlashDrafter] = []  # every decode's drafter object (its own forwards and seconds)
+    original_init = DFlashDrafter.__init__
 
     def keep(self, *a, **k):
         original_init(self, *a, **k)
@@ -125,7 +125,7 @@ def main() -> None:
     with torch.no_grad():
         for m in names:
             decoders[m](rows[0]["prompt_ids"][:8])  # warm-up
-        DFlashDraft.__init__ = keep
+        DFlashDrafter.__init__ = keep
         try:
             for r in tqdm(rows, desc="drafting benchmark", unit="prompt"):
                 for m in names:
@@ -140,7 +140,7 @@ def main() -> None:
                 full_vocab.append(decoders["spec:drafter"](r["prompt_ids"]))
                 drafter.draft_vocab = vocab
         finally:
-            DFlashDraft.__init__ = original_init
+            DFlashDrafter.__init__ = original_init
     base = stats["ar:greedy"]["outputs"]
     lossless = [m for m in names if m != "ar:greedy"]
     block = drafter.config.block_size

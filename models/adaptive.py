@@ -28,7 +28,7 @@ import torch
 
 from a2d.models.canvas import Canvas
 from a2d.models.lean_canvas import lean_canvas
-from a2d.models.speculative import DFlashDraft, Proposal, ngram_drafts
+from a2d.models.speculative import DFlashDrafter, Proposal, ngram_drafts
 from a2d.models.student import Student
 
 COST_SIZES = (1, 2, 3, 5, 9, 17)  # fed tokens at which a verify forward's cost is timed
@@ -89,7 +89,7 @@ def held_prefix(draft: list[int], committed: list[int]) -> tuple[int, int]:
     return n, min(checked, n + 1)
 
 
-class DrafterLookup(DFlashDraft):
+class DrafterLookup(DFlashDrafter):
     """The drafter's tree and n-gram lookup merged; what a forward is fed follows measured acceptance."""
 
     def __init__(

@@ -39,7 +39,7 @@ from a2d.models.adaptive import DrafterLookup, forward_cost
 from a2d.models.ar import ar_decode, hf_prompt_lookup
 from a2d.models.block_decode import Decoded, OnStep, threshold_decode
 from a2d.models.speculative import (
-    DFlashDraft,
+    DFlashDrafter,
     HeadDrafter,
     HeadLookupDrafter,
     LookupDrafter,
@@ -244,7 +244,7 @@ def build(name: str, res: Resources, on_step: OnStep | None = None) -> Decoder:
         return spec(lambda: ModelDrafter(res.draft_model, prof.draft_len), verifier)
     if name == "spec:drafter":
         nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
-        return spec(lambda: DFlashDraft(verifier, res.drafter, prof.tree_nodes), verifier, nodes)
+        return spec(lambda: DFlashDrafter(verifier, res.drafter, prof.tree_nodes), verifier, nodes)
     if name == "spec:drafter+lookup":
         nodes = max(res.drafter.config.block_size - 1, prof.tree_nodes)
 

@@ -214,7 +214,7 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDraftModel(nn.Module):
     """The drafter's own weights (no embedding, no LM head): `fc`, `hidden_norm`, `layers`, `norm`."""
 
     def __init__(self, cfg: DrafterConfig):
@@ -286,7 +286,7 @@ class DFlashDrafter(nn.Module):
         self.save(Path(out))
 
     @classmethod
-    def load(cls, folder: Path, device: str | torch.device = "cpu") -> DFlashDrafter:
+    def load(cls, folder: Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
         """A drafter from the format alone (config.json and safetensors; no pickle)."""
         from safetensors.torch import load_file
 

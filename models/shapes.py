@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
 
-from a2d.models.drafter import DFlashDrafter, DrafterConfig
+from a2d.models.drafter import DFlashDraftModel, DrafterConfig
 from a2d.models.student import linear_targets
 from a2d.models.teacher import byte_tokenizer, random_model
 from a2d.models.vfm import NoiseAdapter
@@ -157,7 +157,7 @@ def drafter_params(shape: TeacherShape, layers: int, targets: Iterable[int], int
         mask_token_id=0,
     )
     with torch.device("meta"):
-        return _unique_params(DFlashDrafter(cfg))
+        return _unique_params(DFlashDraftModel(cfg))
 
 
 def noise_adapter_params(hidden: int, max_len: int, width: int, layers: int, heads: int) -> int:

@@ -22,7 +22,7 @@ Drafters (what proposes d_1..d_k and what it costs):
   prompt); its flow-map forward is counted, and the base's next token it computes on a clean row
   lands directly (it is exact), so accepted drafts count only what the VFM drafted.
 - `ModelDrafter`: an external causal LM drafting greedily with its own cache; its forwards count.
-- `DFlashDraft`: a block-diffusion drafter (`a2d.models.drafter`) reading the verifier's own layer
+- `DFlashDrafter`: a block-diffusion drafter (`a2d.models.drafter`) reading the verifier's own layer
   outputs, captured by hooks in the verify forward; one drafter forward per block, counted.
 
 Counts (`Decoded`): `forwards` is every model call (verify, flow-map and drafter forwards);
@@ -252,7 +252,7 @@ class VFMDrafter(Drafter):
         return Proposal(tokens[1:], landed=tokens[:1])
 
 
-class DFlashDraft(Drafter):
+class DFlashDrafter(Drafter):
     """A DFlash drafter: the verify forward's outputs of the drafter's target layers (forward hooks,
     the same forward) become its context; one drafter forward drafts a block from
     `[newest committed token, MASK x (L-1)]`.
@@ -377,6 +377,11 @@ class DFlashDraft(Drafter):
             if d + 1 < depth:
                 heapq.heappush(heap, (neg - score[d + 1][0], d + 1, 0, node))
         return tokens, parents, scores
+
+
+# The proposal was `DFlashDraft` while the network was `DFlashDrafter`; the network is now
+# `DFlashDraftModel`, the architecture name its checkpoints are saved under.
+DFlashDraft = DFlashDrafter
 
 
 def accept_path(drafts: list[int], parents: list[int] | None, best: list[int]) -> list[int]:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from a2d.models.capture import resolve_layers
 from a2d.models.drafter import (
-    DFlashDrafter,
+    DFlashDraftModel,
     DrafterConfig,
     block_mask,
     pick_mask_token,
@@ -203,7 +203,7 @@ def make_batch(seqs: list[Sequence], spec: DrafterSpec, rng: np.random.Generator
     return feats.to(device), ctx_len.to(device), starts.to(device), ids.to(device), targets.to(device)
 
 
-def block_states(drafter: DFlashDrafter, frozen: Frozen, feats, ctx_len, starts, ids) -> torch.Tensor:
+def block_states(drafter: DFlashDraftModel, frozen: Frozen, feats, ctx_len, starts, ids) -> torch.Tensor:
     """The drafter's states of every block offset >= 1: (b, M, B-1, H)."""
     b, m, block = ids.shape
     width = feats.shape[1]
@@ -368,7 +368,7 @@ def train_drafter(
     frozen = frozen_parts(model, vocab, device)
     mask_id = pick_mask_token(tok, frozen.embed.shape[0])
     del model
-    drafter = DFlashDrafter(build_config(spec, text, layers, mask_id))
+    drafter = DFlashDraftModel(build_config(spec, text, layers, mask_id))
     drafter.draft_vocab = vocab
     dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
     drafter.to(device=device, dtype=dtype)

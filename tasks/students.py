@@ -10,7 +10,7 @@ import json
 from safetensors.torch import load_file
 
 from a2d.models import cpu_kernels, fast_lora
-from a2d.models.drafter import DFlashDrafter
+from a2d.models.drafter import DFlashDraftModel
 from a2d.models.student import DiffusionSpec, Student, apply_lora, build_student, lora_parameters
 from a2d.models.vfm import NoiseAdapter
 from a2d.specs import HeadSpec
@@ -110,7 +110,7 @@ def load_flow_map(
 
 def load_drafter(
     store: ArtifactStore, ref: ArtifactRef, teacher: ArtifactRef, device: str = "cpu"
-) -> DFlashDrafter:
+) -> DFlashDraftModel:
     """The DFlash drafter of a complete drafter artifact, refused when it was trained for another teacher."""
     with store.reading(ref):
         folder = store.local_copy(ref, DRAFTER_SHARD, cache_root())
@@ -120,6 +120,6 @@ def load_drafter(
                 f"drafter {ref.key} was trained for teacher {provenance['teacher_key']}, not {teacher.key}: "
                 "rebuild the drafter stage for this teacher"
             )
-        drafter = DFlashDrafter.load(folder, device)
+        drafter = DFlashDraftModel.load(folder, device)
     cpu_kernels.pack(drafter)
     return drafter

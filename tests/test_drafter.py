@@ -14,13 +14,13 @@ from transformers import AutoConfig, Qwen3Config
 from a2d.models.canvas import Canvas
 from a2d.models.capture import capture_layers
 from a2d.models.drafter import (
-    DFlashDrafter,
+    DFlashDraftModel,
     DrafterConfig,
     block_mask,
     position_weights,
     spread_layers,
 )
-from a2d.models.speculative import DFlashDraft, Drafter, Proposal, accept_path, speculative_decode
+from a2d.models.speculative import DFlashDrafter, Drafter, Proposal, accept_path, speculative_decode
 from a2d.models.student import lm_head
 from a2d.specs import DrafterSpec
 from a2d.tasks.drafter import build_config
@@ -29,10 +29,10 @@ from tests.test_decoding import EOS, PROMPT, base_greedy
 from tests.test_teacher import ROPE_THETA, rope_theta_readings, teacher_with_rope_theta
 
 
-def tiny_drafter(student, block=4, layers=(0, 1), seed=0) -> DFlashDrafter:
+def tiny_drafter(student, block=4, layers=(0, 1), seed=0) -> DFlashDraftModel:
     cfg = student.inner.config
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(
+    drafter = DFlashDraftModel(
         DrafterConfig(
             hidden_size=cfg.hidden_size,
             num_hidden_layers=1,
@@ -72,11 +72,11 @@ def test_a_saved_drafter_reads_back_by_the_format_and_decodes_losslessly(small_t
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
     assert not any("embed" in n or "lm_head" in n or n.startswith("model.") for n in names)
 
-    loaded = DFlashDrafter.load(tmp_path / "drafter")
+    loaded = DFlashDraftModel.load(tmp_path / "drafter")
     for k, v in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, rtol=0, atol=0)
     truth = base_greedy(student, PROMPT, 16)
-    draft = DFlashDraft(student, loaded)
+    draft = DFlashDrafter(student, loaded)
     out = speculative_decode(student, PROMPT, 16, EOS, draft, draft_len=3)
     assert out.tokens == truth
     assert draft.forwards == sum(d > 0 for d in out.drafted)  # one drafter forward per drafted verify
@@ -88,11 +88,11 @@ def test_a_drafter_config_carries_the_teachers_rope_theta_in_both_spellings(tmp_
     """DFlash's reference code reads the drafter with transformers 4.57, which knows only top-level
     rope_theta: without it the weights load and the model silently runs at the class default."""
     text = AutoConfig.from_pretrained(teacher_with_rope_theta(tmp_path)).get_text_config()
-    drafter = DFlashDrafter(build_config(DrafterSpec(), text, [0, 1], text.vocab_size - 1))
+    drafter = DFlashDraftModel(build_config(DrafterSpec(), text, [0, 1], text.vocab_size - 1))
     drafter.save(tmp_path / "drafter")
     readings = rope_theta_readings(tmp_path / "drafter", Qwen3Config)
     assert readings == dict.fromkeys(readings, ROPE_THETA)
-    assert DFlashDrafter.load(tmp_path / "drafter").config.rope_theta == ROPE_THETA
+    assert DFlashDraftModel.load(tmp_path / "drafter").config.rope_theta == ROPE_THETA
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -102,7 +102,7 @@ def test_a_decode_step_feeds_the_drafter_what_training_feeds_it(small_teachers, 
     block's states match the training layout (many blocks per sequence under `block_mask`)."""
     student = trained_like(small_teachers, arch)
     drafter = tiny_drafter(student, block=4)
-    draft = DFlashDraft(student, drafter)
+    draft = DFlashDrafter(student, drafter)
     seen = []
     original = drafter.forward
 
@@ -188,7 +188,7 @@ def test_the_drafter_proposes_its_most_probable_paths_as_a_tree(small_teachers):
     at offset 1 comes before a first guess deep in the block when it is more probable, every parent
     precedes its children, and the decode with that tree is the base's output."""
     student = trained_like(small_teachers, "llama")
-    draft = DFlashDraft(student, tiny_drafter(student), nodes=4)
+    draft = DFlashDrafter(student, tiny_drafter(student), nodes=4)
     probs = torch.tensor([[0.55, 0.44, 0.009, 0.001], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
     tree = draft._tree(probs.log())  # paths: 0.55, 0.44, 0.55*0.5, 0.44*0.5, then 0.55*0.3 and 0.55*0.5*0.5
     assert tree.parents == [-1, -1, 0, 1]
@@ -205,7 +205,7 @@ def test_the_drafter_proposes_its_most_probable_paths_as_a_tree(small_teachers):
     truth = base_greedy(student, PROMPT, 16)
     for arch, nodes in (("llama", 6), ("qwen3_5", 6)):
         s = trained_like(small_teachers, arch)
-        d = DFlashDraft(s, tiny_drafter(s), nodes=nodes)
+        d = DFlashDrafter(s, tiny_drafter(s), nodes=nodes)
         out = speculative_decode(s, PROMPT, 16, EOS, d, draft_len=nodes)
         assert out.tokens == base_greedy(s, PROMPT, 16)
         assert max(out.drafted) == (6 if arch == "llama" else 3)  # the hybrid drafts its chain

@@ -344,7 +344,7 @@ def test_one_decoder_name_is_one_decoding_in_the_eval_lm_eval_and_a2d_generate(b
 
 
 def test_the_drafter_resumes_exactly_and_refuses_anchors_it_cannot_use(built, tmp_path):
-    from a2d.models.drafter import DFlashDrafter
+    from a2d.models.drafter import DFlashDraftModel
     from a2d.stores.anchors import AnchorMismatchError, AnchorReader
     from a2d.tasks.drafter import check_anchors, check_config, train_drafter
 
@@ -357,9 +357,9 @@ def test_the_drafter_resumes_exactly_and_refuses_anchors_it_cannot_use(built, tm
     resumed = train_drafter(st, drefs, spec, opts, tmp_path / "a")
     assert resumed["history"][0]["step"] == 3  # continued from the step-2 checkpoint
     train_drafter(st, drefs, spec, opts, tmp_path / "b")
-    a = DFlashDrafter.load(tmp_path / "a" / "checkpoints" / "step-00000004" / "adapter").state_dict()
-    b = DFlashDrafter.load(tmp_path / "b" / "checkpoints" / "step-00000004" / "adapter").state_dict()
-    first = DFlashDrafter.load(tmp_path / "a" / "checkpoints" / "step-00000002" / "adapter").state_dict()
+    a = DFlashDraftModel.load(tmp_path / "a" / "checkpoints" / "step-00000004" / "adapter").state_dict()
+    b = DFlashDraftModel.load(tmp_path / "b" / "checkpoints" / "step-00000004" / "adapter").state_dict()
+    first = DFlashDraftModel.load(tmp_path / "a" / "checkpoints" / "step-00000002" / "adapter").state_dict()
     assert any(not torch.equal(first[k], a[k]) for k in a)  # steps 3-4 changed the weights
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from a2d.models.drafter import DFlashDrafter, position_weights  # noqa: E402
+from a2d.models.drafter import DFlashDraftModel, position_weights  # noqa: E402
 from a2d.specs import DrafterSpec  # noqa: E402
 from a2d.tasks.drafter import Frozen, build_config, drafter_loss, target_layers  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     layers = target_layers(spec, text.num_hidden_layers)
     cfg = build_config(spec, text, layers, mask_id=text.vocab_size - 1)  # the stage's own config builder
     torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16)
+    drafter = DFlashDraftModel(cfg).to(device=device, dtype=torch.bfloat16)
     frozen = Frozen(
         model.get_input_embeddings().weight.detach(),
         model.get_output_embeddings().weight.detach(),
