@@ -10,9 +10,10 @@ import json
 import os
 import posixpath
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 
@@ -121,6 +122,10 @@ class Location:
         """Read a whole file the caller knows to be small (metadata, a chunk): one GET on S3."""
         return self.fs.cat_file(self._p(rel), **SINGLE_GET.get(self.protocol, {}))
 
+    def open_read(self, rel: str) -> IO[bytes]:
+        """Open a file for streamed reading (a large one: hashed without holding it in memory)."""
+        return self.fs.open(self._p(rel), "rb")
+
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
@@ -167,6 +172,10 @@ class Location:
         if self.is_local:
             os.makedirs(posixpath.dirname(self._p(rel)), exist_ok=True)
         self.fs.put_file(str(local), self._p(rel))
+
+    def put_files(self, files: Mapping[str, Path]) -> None:
+        """Upload local files, {rel: local file}, in one batched call; named pairs: no lookups first."""
+        self.fs.put([str(local) for local in files.values()], [self._p(rel) for rel in files])
 
     def get_file(self, rel: str, local: Path) -> None:
         """Download `rel` to a local file, creating its folder."""
