@@ -116,97 +116,129 @@ def anchor_bytes_per_token(config: PipelineConfig, shape: TeacherShape) -> tuple
     return expected + per_token_cols * ZSTD["token_columns"], raw
 
 
+def stage_plan(stage: str, rows: int, tokens: float, expected: float, raw: float, note: str) -> StagePlan:
+    """One stage's figures, rounded to whole tokens and bytes."""
+    return StagePlan(stage, rows, round(tokens), round(expected), round(raw), note)
+
+
 def project(config: PipelineConfig, shape: TeacherShape, lengths: Lengths, stages: tuple[str, ...]) -> Plan:
     """The bytes each of `stages` will store for `config`, a teacher of `shape` and rows of `lengths`."""
+    shards = max(1, math.ceil(lengths.rows / config.prompts.rows_per_shard))
+    every = [
+        *source_plans(config, shape, lengths, shards),
+        *anchor_plans(config, shape, lengths, shards),
+        *training_plans(config, shape, lengths, shards),
+    ]
+    return Plan(config.name, [s for s in every if s.stage in stages], lengths, shape.origin)
+
+
+def source_plans(
+    config: PipelineConfig, shape: TeacherShape, lengths: Lengths, shards: int
+) -> list[StagePlan]:
+    """The teacher's weights, the prompts and the responses."""
     n, p, r = lengths.rows, lengths.prompt_tokens, lengths.response_tokens
     cpt, idb = lengths.chars_per_token, id_bytes(shape.vocab)
-    shards = max(1, math.ceil(n / config.prompts.rows_per_shard))
-    out: list[StagePlan] = []
-
-    def add(stage: str, rows: int, tokens: float, expected: float, raw: float, note: str) -> None:
-        if stage in stages:
-            out.append(StagePlan(stage, rows, round(tokens), round(expected), round(raw), note))
-
     weights = shape.params * DTYPE_BYTES[config.teacher.dtype]
     tokenizer = shape.vocab * 24  # tokenizer.json: about 24 bytes a vocabulary entry
-    add(
-        "teacher",
-        0,
-        0,
-        weights + tokenizer,
-        weights + tokenizer,
-        f"{count(shape.params)} params, {config.teacher.dtype}",
-    )
-
     text = n * (p * cpt + lengths.reference_chars)
-    add(
-        "prompts",
-        n,
-        n * p,
-        parquet_overhead(shards, 7) + n * p * idb + text * TEXT_PER_CHAR + n * ROW_STRINGS,
-        parquet_overhead(shards, 7) + n * (p * 4 + ROW_STRINGS) + text,
-        f"{p:.0f} tokens a prompt (mean)",
-    )
-    add(
-        "responses",
-        n,
-        n * r,
-        parquet_overhead(shards, 8) + n * (p + r) * idb + n * r * cpt * TEXT_PER_CHAR + n * ROW_STRINGS,
-        parquet_overhead(shards, 8) + n * ((p + r) * 4 + r * cpt + ROW_STRINGS),
-        f"{config.responses.source}, up to {config.responses.max_new_tokens} new tokens",
-    )
+    return [
+        stage_plan(
+            "teacher",
+            0,
+            0,
+            weights + tokenizer,
+            weights + tokenizer,
+            f"{count(shape.params)} params, {config.teacher.dtype}",
+        ),
+        stage_plan(
+            "prompts",
+            n,
+            n * p,
+            parquet_overhead(shards, 7) + n * p * idb + text * TEXT_PER_CHAR + n * ROW_STRINGS,
+            parquet_overhead(shards, 7) + n * (p * 4 + ROW_STRINGS) + text,
+            f"{p:.0f} tokens a prompt (mean)",
+        ),
+        stage_plan(
+            "responses",
+            n,
+            n * r,
+            parquet_overhead(shards, 8) + n * (p + r) * idb + n * r * cpt * TEXT_PER_CHAR + n * ROW_STRINGS,
+            parquet_overhead(shards, 8) + n * ((p + r) * 4 + r * cpt + ROW_STRINGS),
+            f"{config.responses.source}, up to {config.responses.max_new_tokens} new tokens",
+        ),
+    ]
 
+
+def anchor_plans(
+    config: PipelineConfig, shape: TeacherShape, lengths: Lengths, shards: int
+) -> list[StagePlan]:
+    """The anchors (hidden states of the stored tokens) and, when configured, the drafter trained on them."""
+    n, p, r = lengths.rows, lengths.prompt_tokens, lengths.response_tokens
     layers = anchor_layers(config, shape)
     stored = n * (p + r) if config.anchors.tokens == "all" else n * r
     per_token, per_token_raw = anchor_bytes_per_token(config, shape)
-    arrays = (
-        9 if config.anchors.dtype == "int8" else 6
-    )  # hidden, offsets, sample_ids, positions, confidence, entropy
+    # hidden, offsets, sample_ids, positions, confidence, entropy
+    arrays = 9 if config.anchors.dtype == "int8" else 6
     meta = shards * (arrays * ZARR_ARRAY_META + ZARR_GROUP_META) + n * 20  # offsets, sample ids
-    add(
-        "anchors",
-        n,
-        stored,
-        stored * per_token + meta,
-        stored * per_token_raw + meta,
-        f"{len(layers)} of {shape.layers} layers x {shape.hidden} {config.anchors.dtype}, "
-        f"{per_token_raw * 1024 / 1e6:.1f} MB raw per 1024 tokens",
-    )
-
+    plans = [
+        stage_plan(
+            "anchors",
+            n,
+            stored,
+            stored * per_token + meta,
+            stored * per_token_raw + meta,
+            f"{len(layers)} of {shape.layers} layers x {shape.hidden} {config.anchors.dtype}, "
+            f"{per_token_raw * 1024 / 1e6:.1f} MB raw per 1024 tokens",
+        )
+    ]
     if config.drafter is not None:
         spec = config.drafter
         targets = list(spec.target_layers or spread_layers(shape.layers, spec.feature_layers))
         params = drafter_params(shape, spec.layers, targets, spec.intermediate_size)
         size = params * DTYPE_BYTES[spec.dtype]
-        add("drafter", n, stored, size, size, f"{count(params)} params, {spec.dtype}; reads layers {targets}")
+        note = f"{count(params)} params, {spec.dtype}; reads layers {targets}"
+        plans.append(stage_plan("drafter", n, stored, size, size, note))
+    return plans
 
-    add(
-        "trajectories",
-        n,
-        n * r,
-        parquet_overhead(shards, 8) + n * ((p + r) * idb + r + ROW_STRINGS),
-        parquet_overhead(shards, 8) + n * ((p + r) * 4 + r * 2 + ROW_STRINGS),
-        f"{config.trajectories.source}, unmask step per response token",
-    )
 
+def training_plans(
+    config: PipelineConfig, shape: TeacherShape, lengths: Lengths, shards: int
+) -> list[StagePlan]:
+    """The trajectories, the head's adapter, the VFM's noise adapter and the eval's reports."""
+    n, p, r = lengths.rows, lengths.prompt_tokens, lengths.response_tokens
+    idb = id_bytes(shape.vocab)
     head = config.head
     dims = shape.lora_dims
     targeted = sum(v for k, v in dims.items() if not head.lora_targets or k in head.lora_targets)
     lora = head.lora_rank * targeted + shape.hidden  # LoRA A and B of every projection, the mask embedding
-    add("head", n, n * (p + r), lora * 4, lora * 4, f"{count(lora)} adapter params, fp32")
-
     vfm = config.vfm
     noise = noise_adapter_params(shape.hidden, vfm.max_len, vfm.width, vfm.layers, vfm.heads)
     vfm_params = noise + (lora if vfm.tune_lora else 0)
-    add(
-        "vfm",
-        n,
-        n * r,
-        vfm_params * 4,
-        vfm_params * 4,
-        f"{count(noise)} noise-adapter params" + (" + the LoRA" if vfm.tune_lora else ""),
-    )
-
     evals = config.eval.max_samples or max(1, round(n * config.prompts.eval_fraction))
-    add("eval", evals, evals * config.eval.max_new_tokens, EVAL_BYTES, EVAL_BYTES, "metrics, plots, report")
-    return Plan(config.name, out, lengths, shape.origin)
+    return [
+        stage_plan(
+            "trajectories",
+            n,
+            n * r,
+            parquet_overhead(shards, 8) + n * ((p + r) * idb + r + ROW_STRINGS),
+            parquet_overhead(shards, 8) + n * ((p + r) * 4 + r * 2 + ROW_STRINGS),
+            f"{config.trajectories.source}, unmask step per response token",
+        ),
+        stage_plan("head", n, n * (p + r), lora * 4, lora * 4, f"{count(lora)} adapter params, fp32"),
+        stage_plan(
+            "vfm",
+            n,
+            n * r,
+            vfm_params * 4,
+            vfm_params * 4,
+            f"{count(noise)} noise-adapter params" + (" + the LoRA" if vfm.tune_lora else ""),
+        ),
+        stage_plan(
+            "eval",
+            evals,
+            evals * config.eval.max_new_tokens,
+            EVAL_BYTES,
+            EVAL_BYTES,
+            "metrics, plots, report",
+        ),
+    ]
