@@ -34,7 +34,8 @@ def one(model_kind: str, quant: str, align: bool | str, batch: int, seq_len: int
 
     from a2d.models.capture import capture_layers
     from a2d.models.losses import alignment_loss, masked_diffusion_loss
-    from a2d.models.student import build_student, lm_head, student_forward
+    from a2d.models.student import lm_head, student_forward
+    from a2d.models.student_build import build_student
     from a2d.models.teacher import decoder_layers
     from benchmarks.common import teacher, token_batches
 

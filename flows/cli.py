@@ -12,32 +12,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from a2d.flows.store_commands import (
+    DEFAULT_STORE,
+    cmd_ls,
+    cmd_show,
+    cmd_verify,
+    format_table,
+    human_size,
+    store_arg,
+)
 from a2d.specs import STAGES, ConfigError, load_config
-
-DEFAULT_STORE = "./a2d-store"
-
-
-def _store_arg(args: argparse.Namespace) -> str:
-    return args.store or os.environ.get("A2D_STORE") or DEFAULT_STORE
-
-
-def _human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(n)
-
-
-def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in cols}
-    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
-
 
 STARTUP_TIMEOUT_VAR = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 STARTUP_TIMEOUT_S = 180  # Prefect's default is 20 s
@@ -73,11 +57,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from a2d.flows.pipeline import pipeline
 
         refs = pipeline(config, until)
-    rows = [row | {"size": _human(row["bytes"])} for row in map(store.describe, refs.values())]
-    print(_table(rows, ["stage", "key", "complete", "rows", "tokens", "size"]))
+    rows = [row | {"size": human_size(row["bytes"])} for row in map(store.describe, refs.values())]
+    print(format_table(rows, ["stage", "key", "complete", "rows", "tokens", "size"]))
     print(f"done in {time.perf_counter() - start:.1f} s; store {store.root.uri}")
     if "eval" in refs:
-        from a2d.tasks.evaluate import print_table
+        from a2d.tasks.eval_report import print_table
 
         print("\neval (held-out prompts):")
         print(print_table(store, refs["eval"]))
@@ -110,98 +94,11 @@ def _reusable(store: Any, ref: Any, verify: bool) -> bool:
         return store.reusable(ref, verify=verify)
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from a2d.stores.artifacts import ArtifactStore
-
-    store = ArtifactStore(_store_arg(args))
-    store.check_root()
-    rows = [store.describe(r) for r in store.iter_refs(args.stage)]
-    rows.sort(key=lambda r: (STAGES.index(r["stage"]) if r["stage"] in STAGES else 99, r["created"] or ""))
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    for r in rows:
-        r["state"] = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
-        r["shards"] = f"{r['shards_done']}/{r['shards_total']}"
-        r["size"] = _human(r["bytes"])
-    print(_table(rows, ["stage", "key", "state", "shards", "size", "created"]) if rows else "no artifacts")
-    for r in rows:
-        for problem in r["damaged"]:
-            print(f"  {r['stage']}/{r['key']}: {problem}; a rerun of the stage repairs it")
-    return 0
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    from a2d.stores.artifacts import ArtifactStore
-
-    store = ArtifactStore(_store_arg(args))
-    store.check_root()
-    ref = store.find(args.key)
-    info = store.describe(ref)
-    out: dict[str, Any] = {"artifact": info, "lineage": store.lineage(ref)}
-    out["manifest"] = store.manifest(ref) if info["complete"] else store.plan(ref)
-    out["sample"] = _sample_rows(store, ref, args.rows)
-    if args.json:
-        print(json.dumps(out, indent=2, default=str))
-        return 0
-    manifest = out["manifest"] or {}
-    print(f"{ref.stage}/{ref.key}  {'complete' if info['complete'] else 'PARTIAL'}  {ref.uri}")
-    print(
-        f"created {info['created']}  shards {info['shards_done']}/{info['shards_total']}  size {_human(info['bytes'])}"
-    )
-    print("spec: " + json.dumps(manifest.get("spec", {}), sort_keys=True))
-    if manifest.get("metrics"):
-        print("metrics: " + json.dumps(manifest["metrics"], sort_keys=True))
-    print("upstream:   " + (", ".join(out["lineage"]["upstream"]) or "none"))
-    print("downstream: " + (", ".join(out["lineage"]["downstream"]) or "none"))
-    for row in out["sample"]:
-        print("  " + json.dumps(row, default=str)[:300])
-    return 0
-
-
-def _sample_rows(store: Any, ref: Any, n: int) -> list[dict[str, Any]]:
-    """A few rows of the first finished Parquet shard, token lists shortened."""
-    from a2d.stores.parquet import read_shard
-
-    for name in sorted(store.loc(ref).listdir()):
-        if name.endswith(".parquet"):
-            rows = read_shard(store.loc(ref), name).slice(0, n).to_pylist()
-            for row in rows:
-                for k, v in row.items():
-                    if isinstance(v, list) and len(v) > 12:
-                        row[k] = [*v[:12], f"…({len(v)})"]
-            return rows
-    return []
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from a2d.stores.artifacts import ArtifactStore
-
-    store = ArtifactStore(_store_arg(args))
-    store.check_root()
-    refs = [store.find(args.key)] if args.key else list(store.iter_refs())
-    results = []
-    for ref in tqdm(refs, desc="verify", disable=args.json or not sys.stderr.isatty()):
-        problems = store.verify(ref)
-        results.append({"stage": ref.stage, "key": ref.key, "ok": not problems, "problems": problems})
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for r in results:
-            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['stage']}/{r['key']}")
-            for p in r["problems"]:
-                print(f"     {p}")
-        print(f"{sum(r['ok'] for r in results)} of {len(results)} artifacts verified")
-    return 0 if all(r["ok"] for r in results) else 1
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from a2d.stores.artifacts import ArtifactStore
     from a2d.tasks.generation import find_head, generate, render_steps
 
-    store = ArtifactStore(_store_arg(args))
+    store = ArtifactStore(store_arg(args))
     head = find_head(store, args.head)
 
     def stream(piece: str) -> None:
@@ -298,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a decoder name (a2d.models.decoders); default: spec:drafter+lookup where the store holds a drafter "
         "of the head's teacher, else spec:head+lookup (both lossless: the base model's own output); others: "
-        "spec:drafter, spec:head, ar:prompt-lookup, ar:student-base, threshold:0.9 (parallel, lossy), head:k1, vfm:k1, ...",
+        "spec:drafter, spec:head, spec:lookup, ar:student-base, threshold:0.9 (parallel, lossy), head:k1, vfm:k1, ...",
     )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--device", default="cpu")

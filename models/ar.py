@@ -244,6 +244,6 @@ def hf_prompt_lookup(
     """transformers' prompt-lookup decoding (`prompt_lookup_num_tokens=tokens`), every model call counted."""
     if any(hasattr(m, "linear_attn") for m in model.modules()):
         raise ValueError(
-            "transformers' prompt lookup refuses stateful (hybrid) models: use the decoder ar:prompt-lookup"
+            "transformers' prompt lookup refuses stateful (hybrid) models: use the decoder spec:lookup"
         )
     return hf_generate(model, prompt, max_new_tokens, eos_ids, pad_id, prompt_lookup_num_tokens=tokens)

@@ -1,7 +1,7 @@
 """Block decoding with a diffusion student: threshold/entropy decoding (lossy) on the exact prefix
 cache of `a2d.models.canvas`; lossless speculative decoding lives in `a2d.models.speculative`.
 
-Counting rules (every sampler, every report): a forward is one call of the model over whatever it
+Counting rules (every decoder, every report): a forward is one call of the model over whatever it
 is fed (a verify+draft forward counts once; a VFM's prompt forward counts); generated tokens are
 the response tokens up to and including EOS; prompt tokens are not counted.
 

@@ -90,12 +90,12 @@ def aup(
 
 
 def family_of(decoder: str) -> str:
-    """The family of a decoder name: the part before the first ':' ("head:conf0.9" -> "head")."""
+    """The family of a decoder name: the part before the first ':' ("threshold:0.9" -> "threshold")."""
     return decoder.split(FAMILY_SEP, 1)[0]
 
 
 def group_families(decoders: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Sampler names grouped by family, in first-seen order, so one family is one AUP curve."""
+    """Decoder names grouped by family, in first-seen order, so one family is one AUP curve."""
     groups: dict[str, list[str]] = {}
     for name in decoders:
         groups.setdefault(family_of(name), []).append(name)
@@ -112,7 +112,7 @@ def family_aup(
     """AUP per family from `summarise_decoder` results, using `metric` (a share) as accuracy in percent.
 
     `y_max` defaults to the best value of `metric` over all decoders, as d3LLM uses the best
-    accuracy of any method on the task. Samplers whose metric is None are skipped, and families left
+    accuracy of any method on the task. Decoders whose metric is None are skipped, and families left
     without points are omitted.
     """
     values = {name: s[metric] for name, s in decoders.items() if s.get(metric) is not None}

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
 
 from a2d.models.drafter import DFlashDraftModel, DrafterConfig
-from a2d.models.student import linear_targets
+from a2d.models.student_build import linear_targets
 from a2d.models.teacher import byte_tokenizer, random_model
 from a2d.models.vfm import NoiseAdapter
 

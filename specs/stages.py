@@ -412,7 +412,7 @@ class DrafterSpec(Spec):
 
 # Names the decoder registry (a2d.models.decoders) builds without extra resources; the form refuses others.
 DECODER_NAME = (
-    r"^(ar:greedy|ar:student-base|ar:prompt-lookup|hf:prompt-lookup|spec:head|spec:head\+lookup|spec:vfm|"
+    r"^(ar:greedy|ar:student-base|spec:lookup|ar:prompt-lookup|hf:prompt-lookup|spec:head|spec:head\+lookup|spec:vfm|"
     r"spec:drafter|spec:drafter\+lookup|head:k1|untrained:k1|threshold:[0-9]*\.?[0-9]+|entropy:[0-9]*\.?[0-9]+|vfm:k[1-9][0-9]*)$"
 )
 

@@ -16,17 +16,18 @@ from tqdm import tqdm
 from a2d.models import decoders as registry
 from a2d.models.block_decode import Decoded
 from a2d.models.metrics import family_aup, summarise_decoder
-from a2d.models.report import markdown_report, plot_speed_quality, text_table
-from a2d.models.student import Student, base_is
+from a2d.models.student import DiffusionSpec, Student, base_is
 from a2d.models.teacher import resolve_device
 from a2d.specs import EvalSpec, HeadSpec
 from a2d.stores import bundled
-from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
+from a2d.stores.artifacts import ArtifactRef, ArtifactStore
 from a2d.stores.corpora import prompt_set
 from a2d.stores.keys import KeyInputs
-from a2d.stores.readers import EVAL_SHARD, read_held_out, read_metrics, read_prompts
+from a2d.stores.readers import EVAL_SHARD, read_held_out, read_prompts
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.concurrency import gpu_slot
+from a2d.tasks.eval_report import REFERENCE_BASE, publish_report, report_text
+from a2d.tasks.lm_eval_run import export_heldout, lm_eval_summary, lm_eval_version, run_lm_eval
 from a2d.tasks.report import artifact_key as prefect_key
 from a2d.tasks.resources import resources_from_store
 from a2d.tasks.runtime import in_prefect_run, logger
@@ -34,7 +35,6 @@ from a2d.tasks.students import head_student
 
 STAGE = "eval"
 FORMAT_VERSION = 5  # 5: an unquantized base in the teacher's dtype is the teacher: ar:greedy is the reference
-TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"  # a2d's own lm-eval tasks (a2d_bundled)
 COUNTING_RULES = (
     "a forward is every model call over whatever it is fed (a verify+draft forward once; flow-map, prompt and "
     "drafter forwards count); tokens are generated response tokens up to and including EOS; prompt tokens are "
@@ -48,8 +48,10 @@ MIN_CORRECT_TO_RANK = 10  # fewer correct answers than this by the best decoder:
 def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) -> list[str]:
     """Every decoder the eval runs (names from `a2d.models.decoders`), in report order. The list is
     part of the eval key, so a decoder added here gives a new key without a hand-bumped FORMAT_VERSION."""
-    if spec.decoders is not None:
-        chosen = [n for n in spec.decoders if n not in ("ar:greedy", "ar:student-base")]
+    if spec.decoders is not None:  # as the registry names them (a former name read as its decoder)
+        chosen = [
+            registry.describe(n).name for n in spec.decoders if n not in ("ar:greedy", "ar:student-base")
+        ]
         for name in chosen:
             needs = registry.describe(name).needs
             if ("vfm" in needs and not with_vfm) or ("drafter" in needs and not with_drafter):
@@ -58,7 +60,7 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
                     f"remove it from eval.decoders, or set eval.decoders: null (every decoder that can run)"
                 )
         return ["ar:greedy", "ar:student-base", *dict.fromkeys(chosen)]
-    names = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
+    names = ["ar:greedy", "ar:student-base", "spec:lookup", "spec:head", "spec:head+lookup"]
     if with_drafter:
         names[2:2] = ["spec:drafter+lookup", "spec:drafter"]  # the default decoder, then its drafter alone
     names += [f"threshold:{t:g}" for t in spec.thresholds]
@@ -72,15 +74,21 @@ def decoder_names(spec: EvalSpec, with_vfm: bool, with_drafter: bool = False) ->
     return names
 
 
-REFERENCE_BASE, REFERENCE_TEACHER = "ar:student-base", "ar:greedy"
+# Decoders the eval key spells by the name they had when keys began listing decoders, so that a
+# rename keeps every eval artifact's key (spec:lookup was ar:prompt-lookup).
+KEY_SPELLING = {"spec:lookup": "ar:prompt-lookup"}
+REFERENCE_TEACHER = "ar:greedy"  # the reference where the student's base is the teacher
 
 
 def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
-    """The eval key: the eval spec, the decoders it runs, every artifact it evaluates, and the
-    lm-eval version when it runs lm-eval tasks (their prompts and metrics change between versions)."""
+    """The eval key: the eval spec, the decoders it runs (in KEY_SPELLING), every artifact it
+    evaluates, and the lm-eval version when it runs lm-eval tasks (their prompts and metrics change
+    between versions)."""
     payload = {
         **spec.model_dump(mode="json"),
-        "decoders": decoder_names(spec, "vfm" in upstream, "drafter" in upstream),
+        "decoders": [
+            KEY_SPELLING.get(n, n) for n in decoder_names(spec, "vfm" in upstream, "drafter" in upstream)
+        ],
     }
     if not spec.lm_eval_tasks:  # without tasks the lm-eval fields change nothing: keep older keys
         for name in ("lm_eval_tasks", "lm_eval_limit", "lm_eval_decoder"):
@@ -88,69 +96,6 @@ def key_inputs(spec: EvalSpec, upstream: dict[str, str]) -> KeyInputs:
     else:
         payload["lm_eval_version"] = lm_eval_version()
     return KeyInputs(STAGE, FORMAT_VERSION, payload, upstream)
-
-
-def lm_eval_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lm_eval")
-    except PackageNotFoundError:
-        raise ValueError(
-            "eval.lm_eval_tasks needs lm-evaluation-harness: pip install 'a2d-pipeline[eval]'"
-        ) from None
-
-
-def export_heldout(rows: list[dict], prompts: dict[str, str], path) -> None:
-    """The evaluated rows as lm-eval's a2d_bundled task reads them: templated prompt, answer, kind."""
-    with open(path, "w") as f:
-        for r in rows:
-            doc = {
-                "sample_id": r["sample_id"],
-                "prompt_text": prompts[r["sample_id"]],
-                "answer": r["answer"],
-                "kind": r["kind"],
-            }
-            f.write(json.dumps(doc) + "\n")
-
-
-def run_lm_eval(
-    store: ArtifactStore,
-    spec: EvalSpec,
-    head: ArtifactRef,
-    student: Student,
-    dspec,
-    heldout,
-    drafter: ArtifactRef | None = None,
-) -> dict:
-    """lm-eval's own evaluator over `spec.lm_eval_tasks` with the head's student (already loaded)."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    from a2d.tasks.harness import A2DLM
-
-    model = A2DLM(
-        store=store.root.uri,
-        head=head.key,
-        decoder=spec.lm_eval_decoder,  # None: the default lossless decoder
-        student=student,
-        dspec=dspec,
-        drafter=drafter.key if drafter is not None else None,
-    )
-    results = lm_eval.simple_evaluate(
-        model=model,
-        tasks=list(spec.lm_eval_tasks),
-        limit=spec.lm_eval_limit,
-        task_manager=TaskManager(
-            include_path=str(TASKS_DIR),
-            # lm-eval's own index of thousands of task files takes ~15 s to build: only when asked for
-            include_defaults=not set(spec.lm_eval_tasks) <= {p.stem for p in Path(TASKS_DIR).glob("*.yaml")},
-            metadata={"path": str(heldout)},
-        ),
-        gen_kwargs=f"max_gen_toks={spec.max_new_tokens}",
-        log_samples=False,
-    )
-    return json.loads(json.dumps(results, default=str))
 
 
 def balanced(rows: list[dict], limit: int | None) -> list[dict]:
@@ -233,79 +178,21 @@ def evaluate(
     if not rows:
         raise ValueError("no held-out prompts: raise prompts.eval_fraction so the eval split is not empty")
     res, dspec, tok = resources_from_store(store, refs, spec.max_new_tokens, device)
-    student, teacher = res.student, res.teacher
-    teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
-    remote = teacher_stage.trusts_remote_code(store, refs["teacher"])
-    head_spec = HeadSpec.model_validate(store.manifest(refs["head"])["spec"])
-    # same base, attention and scope, a fresh rank-1 adapter and mask embedding
-    res.untrained = lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1)
+    res.untrained = untrained_student(store, refs, device)
     names = decoder_names(spec, "vfm" in refs, "drafter" in refs)
-    built, skipped = {}, {}
-    reference = REFERENCE_BASE
-    if base_is(student, teacher):  # the base is the teacher (unquantized): one decode of it, not two
-        reference = REFERENCE_TEACHER
-        skipped[REFERENCE_BASE] = (
-            "the student's base is the teacher (unquantized, in the teacher's dtype): ar:greedy's tokens "
-            "are the base's, and the lossless decoders are checked against them"
-        )
-    for name in names:
-        why = skipped.get(name) or registry.missing(registry.describe(name), res)
-        if why:
-            skipped[name] = why
-        else:
-            built[name] = registry.build(name, res)
+    reference, built, skipped = build_decoders(names, res)
     lm_eval_doc = None
     if out is not None:
-        prompts_ref = store.ref("prompts", store.manifest(refs["responses"])["upstream"]["prompts"])
-        texts = {
-            r["sample_id"]: r["prompt_text"] for r in read_prompts(store, prompts_ref, "eval").to_pylist()
-        }
-        export_heldout(rows, texts, out / "heldout.jsonl")
-        if spec.lm_eval_tasks:
-            lm_eval_doc = run_lm_eval(
-                store, spec, refs["head"], student, dspec, out / "heldout.jsonl", refs.get("drafter")
-            )
-            (out / "lm_eval.json").write_text(json.dumps(lm_eval_doc, indent=2, sort_keys=True, default=str))
-    results: dict[str, Any] = {}
-    for name in names:
-        if name in skipped:
-            results[name] = {"skipped": skipped[name]}
-            continue
-        results[name] = run_decoder(name, built[name], rows, tok, spec)
-        results[name]["lossless"] = registry.describe(name).lossless
-        r = results[name]
-        logger().info(
-            "eval %s: %.2f tokens/s, %.2f tokens per forward over %d prompts",
-            name,
-            r["tokens_per_s"],
-            r["tpf"],
-            len(rows),
-        )
+        lm_eval_doc = export_and_run_lm_eval(store, spec, refs, rows, res.student, dspec, out)
+    results = run_decoders(names, built, skipped, rows, tok, spec)
     base_outputs = results[reference]["outputs"]
-    for name in names:
-        if name != reference and registry.describe(name).lossless and "outputs" in results[name]:
-            got = results[name]["outputs"]
-            results[name]["mismatches_vs_reference"] = sum(
-                a != b for a, b in zip(got, base_outputs, strict=True)
-            )
+    count_mismatches(results, names, reference)
     headline = registry.default_decoder(res)
     order = [n for n in (headline, "ar:greedy") if n in results] + [
         n for n in names if n not in (headline, "ar:greedy")
     ]
-    sets: dict[str, Any] = {}
-    for name in (headline, "ar:greedy"):  # the default decoder and its AR baseline, per prompt set
-        if "_records" in results.get(name, {}):
-            sets.update(per_set(name, results[name]["_records"], rows, base_outputs))
-    for result in results.values():
-        result.pop("_records", None)
-    for name, summary in sets.items():  # speed against AR on the same set
-        ar = sets.get(f"ar:greedy @{name.split(' @')[1]}", {})
-        if ar.get("tokens_per_s"):
-            summary["speedup_vs_ar"] = round(summary["tokens_per_s"] / ar["tokens_per_s"], 4)
-    ar_rate = results.get("ar:greedy", {}).get("tokens_per_s")
-    for summary in results.values():
-        if ar_rate and "tokens_per_s" in summary:
-            summary["speedup_vs_ar"] = round(summary["tokens_per_s"] / ar_rate, 4)
+    sets = per_set_rows(results, headline, rows, base_outputs)
+    add_speedups(results, sets)
     metric, why = aup_metric(results)
     ranked = {k: v for k, v in results.items() if "tpf" in v}
     aup = family_aup(ranked, metric) if metric else {}
@@ -327,20 +214,121 @@ def evaluate(
     }
 
 
-def lm_eval_summary(doc: dict[str, Any]) -> dict[str, Any]:
-    """lm-eval's per-task metrics (stderr dropped) and the a2d model's counted totals."""
-    tasks = {
-        task: {
-            k.split(",")[0]: v for k, v in metrics.items() if "stderr" not in k and k != "alias" and "," in k
-        }
-        for task, metrics in doc.get("results", {}).items()
-    }
-    config = doc.get("config", {})
-    return {
-        "version": doc.get("lm_eval_version") or lm_eval_version(),
-        "tasks": tasks,
-        "model": {k: v for k, v in config.items() if k.startswith("a2d_")},
-    }
+def untrained_student(
+    store: ArtifactStore, refs: dict[str, ArtifactRef], device: str
+) -> Callable[[], Student]:
+    """The untrained baseline's student, built when first decoded: the head's base, attention and
+    scope with a fresh rank-1 adapter and mask embedding."""
+    teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
+    remote = teacher_stage.trusts_remote_code(store, refs["teacher"])
+    head_spec = HeadSpec.model_validate(store.manifest(refs["head"])["spec"])
+    return lambda: head_student(teacher_dir, head_spec, device, remote, dropout=0.0, rank=1)
+
+
+def build_decoders(
+    names: list[str], res: registry.Resources
+) -> tuple[str, dict[str, Decoder], dict[str, str]]:
+    """(the lossless decoders' reference, the decoders built, why each other one is skipped)."""
+    built, skipped = {}, {}
+    reference = REFERENCE_BASE
+    if base_is(res.student, res.teacher):  # the base is the teacher (unquantized): one decode of it, not two
+        reference = REFERENCE_TEACHER
+        skipped[REFERENCE_BASE] = (
+            "the student's base is the teacher (unquantized, in the teacher's dtype): ar:greedy's tokens "
+            "are the base's, and the lossless decoders are checked against them"
+        )
+    for name in names:
+        why = skipped.get(name) or registry.missing(registry.describe(name), res)
+        if why:
+            skipped[name] = why
+        else:
+            built[name] = registry.build(name, res)
+    return reference, built, skipped
+
+
+def export_and_run_lm_eval(
+    store: ArtifactStore,
+    spec: EvalSpec,
+    refs: dict[str, ArtifactRef],
+    rows: list[dict],
+    student: Student,
+    dspec: DiffusionSpec,
+    out: Path,
+) -> dict | None:
+    """The evaluated rows to `out`/heldout.jsonl, and lm-eval's results (`out`/lm_eval.json) when
+    the spec names lm-eval tasks; those results, or None."""
+    prompts_ref = store.ref("prompts", store.manifest(refs["responses"])["upstream"]["prompts"])
+    texts = {r["sample_id"]: r["prompt_text"] for r in read_prompts(store, prompts_ref, "eval").to_pylist()}
+    export_heldout(rows, texts, out / "heldout.jsonl")
+    if not spec.lm_eval_tasks:
+        return None
+    doc = run_lm_eval(store, spec, refs["head"], student, dspec, out / "heldout.jsonl", refs.get("drafter"))
+    (out / "lm_eval.json").write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
+    return doc
+
+
+def run_decoders(
+    names: list[str],
+    built: dict[str, Decoder],
+    skipped: dict[str, str],
+    rows: list[dict],
+    tok: Any,
+    spec: EvalSpec,
+) -> dict[str, Any]:
+    """Every decoder's summary over the rows, in `names` order (a skipped one: why)."""
+    results: dict[str, Any] = {}
+    for name in names:
+        if name in skipped:
+            results[name] = {"skipped": skipped[name]}
+            continue
+        results[name] = run_decoder(name, built[name], rows, tok, spec)
+        results[name]["lossless"] = registry.describe(name).lossless
+        r = results[name]
+        logger().info(
+            "eval %s: %.2f tokens/s, %.2f tokens per forward over %d prompts",
+            name,
+            r["tokens_per_s"],
+            r["tpf"],
+            len(rows),
+        )
+    return results
+
+
+def count_mismatches(results: dict[str, Any], names: list[str], reference: str) -> None:
+    """Each lossless decoder's prompts whose tokens differ from the reference's (0 when lossless)."""
+    base_outputs = results[reference]["outputs"]
+    for name in names:
+        if name != reference and registry.describe(name).lossless and "outputs" in results[name]:
+            got = results[name]["outputs"]
+            results[name]["mismatches_vs_reference"] = sum(
+                a != b for a, b in zip(got, base_outputs, strict=True)
+            )
+
+
+def per_set_rows(
+    results: dict[str, Any], headline: str, rows: list[dict], base_outputs: list[list[int]]
+) -> dict[str, Any]:
+    """The default decoder and its AR baseline on each prompt set; the per-prompt records are
+    dropped from every result here (they were kept for this)."""
+    sets: dict[str, Any] = {}
+    for name in (headline, "ar:greedy"):
+        if "_records" in results.get(name, {}):
+            sets.update(per_set(name, results[name]["_records"], rows, base_outputs))
+    for result in results.values():
+        result.pop("_records", None)
+    return sets
+
+
+def add_speedups(results: dict[str, Any], sets: dict[str, Any]) -> None:
+    """speedup_vs_ar: tokens/s over AR's, per prompt set against AR on the same set."""
+    for name, summary in sets.items():
+        ar = sets.get(f"ar:greedy @{name.split(' @')[1]}", {})
+        if ar.get("tokens_per_s"):
+            summary["speedup_vs_ar"] = round(summary["tokens_per_s"] / ar["tokens_per_s"], 4)
+    ar_rate = results.get("ar:greedy", {}).get("tokens_per_s")
+    for summary in results.values():
+        if ar_rate and "tokens_per_s" in summary:
+            summary["speedup_vs_ar"] = round(summary["tokens_per_s"] / ar_rate, 4)
 
 
 def aup_metric(results: dict[str, Any]) -> tuple[str | None, str]:
@@ -387,52 +375,5 @@ def eval_run(
     return store.write_marker(ref, SHARD, files, {"rows": doc["samples"], "tokens": 0, "aup": doc["aup"]})
 
 
-def report_text(doc: dict[str, Any], refs: dict[str, ArtifactRef]) -> str:
-    meta = {
-        "held-out samples": doc["samples"],
-        "max new tokens": doc["max_new_tokens"],
-        "lossless check (≠ ref)": f"prompts whose tokens differ from {doc.get('reference', REFERENCE_BASE)}'s",
-        "AUP metric": f"{doc['aup_metric']} ({doc['aup_metric_reason']})",
-        "counting": doc["counting"],
-        **{f"{k} key": v.key for k, v in refs.items()},
-    }
-    report = markdown_report({name: doc["decoders"][name] for name in doc["decoder_order"]}, doc["aup"], meta)
-    if doc.get("lm_eval"):
-        lm = doc["lm_eval"]
-        lines = [
-            "",
-            f"## lm-evaluation-harness {lm['version']}",
-            "",
-            "| task | metric | value |",
-            "|:---|:---|---:|",
-        ]
-        for task, metrics in lm["tasks"].items():
-            lines += [f"| {task} | {m} | {v:.4f} |" for m, v in metrics.items() if isinstance(v, int | float)]
-        model = lm["model"]
-        lines += [
-            "",
-            f"Decoder {model.get('a2d_decoder')}: {model.get('a2d_tokens_per_forward')} tokens per forward, "
-            f"{model.get('a2d_tokens_per_s')} tokens/s over {model.get('a2d_generations')} generations.",
-        ]
-        report += "\n".join(lines) + "\n"
-    return report
-
-
-def publish_report(doc: dict[str, Any], refs: dict[str, ArtifactRef], out: Path) -> dict[str, str]:
-    """metrics.json, report.md and the plot into the shard folder; their checksums."""
-    (out / "metrics.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
-    (out / "report.md").write_text(report_text(doc, refs))
-    plot_speed_quality(
-        {n: s for n, s in doc["decoders"].items() if " @" not in n}, str(out / "speed_quality.png")
-    )
-    return {f"{SHARD}/{k}": v for k, v in hash_local_tree(out).items()}
-
-
 def summarise(markers: dict[str, dict]) -> dict[str, Any]:
     return {"aup": markers[SHARD]["aup"]}
-
-
-def print_table(store: ArtifactStore, ref: ArtifactRef) -> str:
-    doc = read_metrics(store, ref)
-    order = doc.get("decoder_order", list(doc["decoders"]))
-    return text_table({name: doc["decoders"][name] for name in order})

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from a2d.models import cpu_kernels, fast_lora
 from a2d.models.drafter import DFlashDraftModel
-from a2d.models.student import DiffusionSpec, Student, apply_lora, build_student, lora_parameters
+from a2d.models.student import DiffusionSpec, Student, apply_lora, lora_parameters
+from a2d.models.student_build import build_student
 from a2d.models.vfm import NoiseAdapter
 from a2d.specs import HeadSpec
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, cache_root

@@ -153,7 +153,7 @@ def trained_like(
     `targets`: the projections its LoRA adapts (default: all)."""
     import torch
 
-    from a2d.models.student import build_student
+    from a2d.models.student_build import build_student
 
     lora = {**LORA, "targets": targets} if targets else LORA
     student = build_student(teachers / arch, "none", "float32", "cpu", lora, attention, linear, block, scope)

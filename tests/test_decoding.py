@@ -112,7 +112,14 @@ def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
     # the eval checks an unquantized base against the teacher's ar:greedy instead of decoding it twice
     assert base_is(student, teacher)
     res = registry.Resources(student, EOS, 14, teacher=teacher)
-    lossless = ["ar:greedy", "ar:student-base", "ar:prompt-lookup", "spec:head", "spec:head+lookup"]
+    lossless = [
+        "ar:greedy",
+        "ar:student-base",
+        "spec:lookup",
+        "ar:prompt-lookup",
+        "spec:head",
+        "spec:head+lookup",
+    ]
     assert all(registry.describe(n).lossless for n in lossless)
     repeating = [258, 300, 301, 302, 303, 10] * 3  # lookup finds matches here
     for prompt in (PROMPT[:3], repeating) if arch == "llama" else (repeating,):
@@ -300,7 +307,7 @@ def test_tpf_is_pinned_for_a_hand_made_case(small_teachers, monkeypatch):
     positions 0 (the exact base token, though only 0.3 sure), 1 (0.95) and 3 (0.99); forward 2
     commits 2 (now the exact first one); forward 3 commits 4, 5 (0.97), 6 = EOS (0.98) and 7, and
     EOS has every earlier position committed, so the answer ends: 7 tokens in 3 forwards."""
-    import a2d.models.block_decode as sampler_module
+    import a2d.models.block_decode as block_decode_module
 
     student = trained_like(small_teachers, "llama")
     prompt = [5, 6, 7]
@@ -328,7 +335,7 @@ def test_tpf_is_pinned_for_a_hand_made_case(small_teachers, monkeypatch):
     monkeypatch.setattr(
         Canvas, "keep", lambda self, n: setattr(self, "in_cache", self.in_cache + self._fed[0] + n)
     )
-    monkeypatch.setattr(sampler_module, "lm_head", lambda s: head)
+    monkeypatch.setattr(block_decode_module, "lm_head", lambda s: head)
     out = threshold_decode(student, prompt, 20, 0.9, [2])
     assert out.tokens == tokens[:7] and out.forwards == 3
     assert out.commit_step == [1, 1, 2, 1, 3, 3, 3]
@@ -513,7 +520,7 @@ def test_the_spec_decoder_pattern_and_the_registry_name_the_same_decoders():
     the registry knows (spec:model needs an external draft model no spec provides)."""
     import re
 
-    from a2d.models.decoders import FAMILIES, describe
+    from a2d.models.decoders import ALIASES, FAMILIES, describe
     from a2d.specs.stages import DECODER_NAME
 
     samples = {"threshold": "threshold:0.5", "entropy": "entropy:1", "vfm": "vfm:k2"}
@@ -527,3 +534,33 @@ def test_the_spec_decoder_pattern_and_the_registry_name_the_same_decoders():
         )
         assert re.fullmatch(DECODER_NAME, name), alternative
         describe(name)  # a name the pattern admits but the registry does not know raises here
+    for alias, name in ALIASES.items():  # a former name the form still admits means its decoder
+        assert re.fullmatch(DECODER_NAME, alias), alias
+        assert describe(alias) == describe(name)
+
+
+def test_the_registry_docstring_table_is_the_registry():
+    """The module docstring's table lists every family once with its lossless flag and needs, as
+    the records say (the last column, what it does, is prose)."""
+    rows = [line.split(" | ") for line in registry.__doc__.splitlines() if line.startswith("| `")]
+    table = {name.strip("|` "): (lossless, needs) for name, lossless, needs, _ in rows}
+    assert list(table) == [f.shown for f in registry.DECODERS]
+    for f in registry.DECODERS:
+        lossless, needs = table[f.shown]
+        assert (lossless in ("yes", "reference")) == f.lossless and lossless in ("yes", "reference", "no")
+        assert tuple(needs.split(", ")) == f.needs, f.name
+        assert set(f.needs) <= set(registry.NEEDS)
+
+
+def test_decoder_names_are_described_and_refused_as_before():
+    """Whole names, `family:ARG` names and aliases describe as the registry names them; a family
+    without its argument, or with one it does not take, is refused with the names it knows."""
+    assert registry.describe("threshold:0.7") == registry.DecoderInfo(
+        "threshold:0.7", "threshold", "0.7", False, ("head",)
+    )
+    assert registry.describe("vfm:k2").needs == ("vfm",) and registry.describe("vfm:k2").arg == "k2"
+    assert registry.describe("ar:prompt-lookup").name == "spec:lookup"
+    assert registry.describe("spec:head").family == "spec" and registry.describe("spec:head").lossless
+    for bad in ("threshold", "threshold:x", "vfm:2", "vfm:k0", "head:k2", "spec:nothing"):
+        with pytest.raises(ValueError, match="unknown decoder .* use one of ar:greedy, .*threshold:P"):
+            registry.describe(bad)

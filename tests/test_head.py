@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from a2d.flows.pipeline import STEPS, pipeline
 from a2d.flows.pipeline import plan as pipeline_plan
 from a2d.models.block_decode import threshold_decode
-from a2d.models.student import BidirectionalScan, build_student, lm_head, student_forward
+from a2d.models.student import BidirectionalScan, lm_head, student_forward
+from a2d.models.student_build import build_student
 from a2d.models.teacher import build_random_teacher
 from a2d.specs import TrainOptions
 from a2d.stores.anchors import AnchorMismatchError
@@ -68,8 +69,8 @@ def test_training_events_come_from_rank_zero_and_a_garbled_line_is_not_fatal(cap
 
 
 def test_nf4_falls_back_to_the_unquantized_base_where_bitsandbytes_cannot_run(small_teachers, monkeypatch):
-    import a2d.models.student as student_module
-    from a2d.models.student import nf4_unavailable
+    import a2d.models.student_build as student_module
+    from a2d.models.student_build import nf4_unavailable
 
     assert nf4_unavailable(torch.device("cpu")) is None  # bitsandbytes serves the CPU here
     assert "mps" in nf4_unavailable(torch.device("mps"))

@@ -16,6 +16,23 @@ def test_golden_keys():
     assert prompts.key_inputs(PromptSpec(), "5a50b7ae7f0c208e").key == "8969d2148c1731de"
 
 
+def test_the_eval_key_spells_a_renamed_decoder_as_it_was():
+    """spec:lookup was ar:prompt-lookup: either name gives the eval key both gave before the rename."""
+    from a2d.specs import EvalSpec
+    from a2d.tasks import evaluate
+
+    up = {"teacher": "t" * 16, "responses": "r" * 16, "head": "h" * 16}
+    assert evaluate.key_inputs(EvalSpec(), up).key == "d1554fa68eda1e76"
+    assert (
+        evaluate.key_inputs(EvalSpec(), {**up, "vfm": "v" * 16, "drafter": "d" * 16}).key
+        == "154bb08bf4d12b74"
+    )
+    for name in ("spec:lookup", "ar:prompt-lookup"):
+        assert (
+            evaluate.key_inputs(EvalSpec(decoders=(name, "head:k1")), up).key == "5b77ac049697936c"
+        )  # the old name's key before the rename
+
+
 def test_canonical_json_is_order_and_number_stable():
     assert canonical_json({"b": 1, "a": (1.0, 2)}) == canonical_json({"a": [1, 2], "b": 1.0})
     assert canonical_json({"x": 0.5}) != canonical_json({"x": 0.25})

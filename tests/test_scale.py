@@ -212,7 +212,7 @@ def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_proces
 
 def _initial_mask(store: str, refs: dict) -> torch.Tensor:
     """The untrained student's mask embedding (the mean of the teacher's embeddings)."""
-    from a2d.models.student import build_student
+    from a2d.models.student_build import build_student
     from a2d.tasks.teacher import local_dir
 
     lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "rslora": False}

@@ -143,7 +143,7 @@ def test_eval_reports_every_decoder(built):
         "ar:greedy",
         "ar:student-base",
         "spec:drafter",
-        "ar:prompt-lookup",
+        "spec:lookup",
         "spec:head",
         "spec:head+lookup",
         "threshold:0.9",
@@ -167,7 +167,7 @@ def test_eval_reports_every_decoder(built):
         "spec:head+lookup",
         "spec:drafter",
         "spec:vfm",
-        "ar:prompt-lookup",
+        "spec:lookup",
     ):  # token for token the student's base model
         assert s[lossless]["mismatches_vs_reference"] == 0
         assert s[lossless]["outputs"] == s["ar:student-base"]["outputs"]
@@ -222,7 +222,8 @@ def test_a_new_decoder_changes_the_eval_key():
     up = {"teacher": "t" * 16, "responses": "r" * 16, "head": "h" * 16, "vfm": "v" * 16}
     spec = EvalSpec()
     base = evaluate.key_inputs(spec, up)
-    assert base.payload["decoders"] == evaluate.decoder_names(spec, with_vfm=True)
+    names = evaluate.decoder_names(spec, with_vfm=True)
+    assert base.payload["decoders"] == [evaluate.KEY_SPELLING.get(n, n) for n in names]
     assert evaluate.key_inputs(spec.model_copy(update={"thresholds": (0.9,)}), up).key != base.key
     original = evaluate.decoder_names
     try:
@@ -274,7 +275,7 @@ def test_lm_eval_cli_scores_the_eval_rows_like_the_eval_stage(built, tmp_path, m
     the same generations, so its exact match is the eval stage's answer accuracy for that decoder."""
     from lm_eval._cli import HarnessCLI
 
-    from a2d.tasks.evaluate import TASKS_DIR
+    from a2d.tasks.lm_eval_run import TASKS_DIR
 
     store, cfg, refs = built
     st = ArtifactStore(store)

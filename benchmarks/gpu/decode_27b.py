@@ -6,7 +6,7 @@ Random weights, so no draft is ever right and the speed-up itself means nothing 
 measures is the cost side of the trade: after a prefill of `--seq-len` prompt tokens into the
 exact cache, the seconds of one AR step (1 new token) and of one speculative forward (the newest
 token + `block` drafts + `block` masks, the Gated DeltaNet states saved after every draft for the
-rollback). A lossless sampler's speed-up is accepted tokens per forward / (spec forward / AR step).
+rollback). A lossless decoder's speed-up is accepted tokens per forward / (spec forward / AR step).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from a2d.models.canvas import Canvas  # noqa: E402
-from a2d.models.student import make_student  # noqa: E402
+from a2d.models.student_build import make_student  # noqa: E402
 from a2d.models.teacher import byte_tokenizer  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from a2d.models.losses import masked_diffusion_loss  # noqa: E402
-from a2d.models.student import lm_head, make_student, student_forward  # noqa: E402
+from a2d.models.student import lm_head, student_forward  # noqa: E402
+from a2d.models.student_build import make_student  # noqa: E402
 from a2d.models.teacher import byte_tokenizer, decoder_layers  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 
