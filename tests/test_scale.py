@@ -144,8 +144,7 @@ def test_dask_fan_out_matches_threads(tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_process(tmp_path):
-    from a2d.tasks.head import launch_command, run_training
-    from a2d.tasks.train_head import train
+    from a2d.tasks.train import launch_command, run_training, train
     from tests.test_head import _job
 
     store = str(tmp_path / "store")
