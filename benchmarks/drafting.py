@@ -36,7 +36,7 @@ def drafter_tau(recs) -> float:
 def forced_by_set(drafter, teacher, seqs_by_set: dict, vocab) -> dict[str, dict]:
     """Teacher-forced τ of each set's held-out rows with the drafter's head restricted to `vocab`
     (None: the full vocabulary, as engines draft)."""
-    from a2d.tasks.drafter import frozen_parts, teacher_forced
+    from a2d.models.objectives.drafter import frozen_parts, teacher_forced
 
     frozen = frozen_parts(teacher, vocab, "cpu")
     cfg = drafter.config

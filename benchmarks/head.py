@@ -120,10 +120,12 @@ def alignment_row(config: str, store: str | None, steps: int, samples: int) -> d
     import numpy as np
     import torch
 
+    from a2d.models.objectives.head import diffusion_ce
     from a2d.models.views import ViewSampler, build_batch
     from a2d.specs import TrainOptions
     from a2d.stores.readers import read_held_out
-    from a2d.tasks.train_head import TrainJob, diffusion_ce, resume, setup, train
+    from a2d.tasks.train import TrainJob, train
+    from a2d.tasks.train.loop import resume, setup
     from benchmarks.common import built
 
     cfg, refs, st = built(config, store, "trajectories")
@@ -132,10 +134,10 @@ def alignment_row(config: str, store: str | None, steps: int, samples: int) -> d
     for weight in (0.0, cfg.head.align_weight or 0.25):
         spec = cfg.head.model_copy(update={"steps": steps, "align_weight": weight})
         work = Path("/tmp/a2d-bench") / f"align-{weight}"
+        inputs = {k: refs[k] for k in ("teacher", "responses", "anchors", "trajectories")}
         job = TrainJob(
-            store_uri=st.root.uri, head=st.ref("head", f"bench-align-{weight}"), teacher=refs["teacher"],
-            teacher_spec=cfg.teacher, responses=refs["responses"], anchors=refs["anchors"],
-            trajectories=refs["trajectories"], spec=spec, train=TrainOptions(checkpoint_every=steps, log_every=steps),
+            store_uri=st.root.uri, ref=st.ref("head", f"bench-align-{weight}"), inputs=inputs,
+            teacher_spec=cfg.teacher, spec=spec, train=TrainOptions(checkpoint_every=steps, log_every=steps),
             workdir=str(work),
         )  # fmt: skip
         import shutil
@@ -144,19 +146,25 @@ def alignment_row(config: str, store: str | None, steps: int, samples: int) -> d
         history = train(job)["history"]
         run = setup(job)
         resume(run)
-        run.student.model.eval()
+        head = run.objective
+        head.student.model.eval()
         sampler = ViewSampler(1234, 1, spec.block_size, r_min_start=0.0, r_min_end=0.0, r_max=1.0)
-        eos, ces = run.token_ids["eos"], []
+        eos, ces = head.token_ids["eos"], []
         with torch.no_grad():
             for i, r in enumerate(held_out):
                 response = np.asarray(r["response_ids"])
-                finished = bool(len(response)) and int(response[-1]) in run.token_ids["eos_set"]
+                finished = bool(len(response)) and int(response[-1]) in head.token_ids["eos_set"]
                 view = sampler.view(0, 0, i, r["sample_id"], response, eos, finished, None, 64)
                 batch = build_batch(
-                    [r["prompt_ids"]], [response], [view], run.token_ids["mask"], run.token_ids["pad"], False
+                    [r["prompt_ids"]],
+                    [response],
+                    [view],
+                    head.token_ids["mask"],
+                    head.token_ids["pad"],
+                    False,
                 )
                 _, info, _, _ = diffusion_ce(
-                    run.student, batch, spec.model_copy(update={"entropy_weight": 0.0}), run.device
+                    head.student, batch, spec.model_copy(update={"entropy_weight": 0.0}), run.device
                 )
                 ces.append(info["ce"])
         out["with_alignment" if weight else "without_alignment"] = {

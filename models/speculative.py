@@ -41,6 +41,7 @@ from a2d.models.block_decode import Decoded, OnStep, cut_at_eos
 from a2d.models.canvas import Canvas, truncate_attention
 from a2d.models.capture import capture_layers
 from a2d.models.lean_canvas import LeanCanvas, lean_canvas
+from a2d.models.objectives.drafter import draft_head, draft_tokens
 from a2d.models.student import Student, lm_head
 
 Runs = list[tuple[int, int]]  # (attach, length) per open run, see Canvas.forward
@@ -278,13 +279,9 @@ class DFlashDrafter(Drafter):
         self.layers = list(cfg.target_layer_ids)
         self.length = cfg.block_size
         self.embed = student.inner.get_input_embeddings()
-        head = lm_head(student)
         self.vocab = drafter.draft_vocab
-        weight = head.weight if self.vocab is None else head.weight[self.vocab.to(head.weight.device)]
-        bias = getattr(head, "bias", None)
-        if bias is not None and self.vocab is not None:
-            bias = bias[self.vocab.to(bias.device)]
-        self.head_weight, self.head_bias = weight.detach(), bias
+        # the frozen head restricted to the draft vocabulary, as training computes it
+        self.head_weight, self.head_bias = draft_head(lm_head(student), self.vocab)
         self._fed: dict[int, torch.Tensor] = {}  # layer -> its output rows of the last verify forward
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.context = 0  # committed tokens whose states the drafter's context holds
@@ -328,7 +325,7 @@ class DFlashDrafter(Drafter):
             proposal = self._tree(logits)
         else:
             best = logits.argmax(-1)
-            proposal = Proposal((best if self.vocab is None else self.vocab.to(best.device)[best]).tolist())
+            proposal = Proposal(draft_tokens(self.vocab, best).tolist())
         self.seconds += time.perf_counter() - started
         return proposal
 
@@ -357,7 +354,7 @@ class DFlashDrafter(Drafter):
         logp = torch.log_softmax(logits.float(), -1)  # (D, V')
         top = logp.topk(min(nodes, logp.shape[-1]), -1)
         score, rank = top.values.tolist(), top.indices
-        tokens_at = (rank if self.vocab is None else self.vocab.to(rank.device)[rank]).tolist()
+        tokens_at = draft_tokens(self.vocab, rank).tolist()
         depth, width = len(score), len(score[0])
         # a node is (depth d, rank r at d, parent): its children are ranks 0.. at d + 1 under it;
         # popping a node pushes its next sibling and its first child, so nodes come out best-first

@@ -12,17 +12,15 @@ from a2d.specs.config import (
 from a2d.specs.policy import ServePolicy
 from a2d.specs.stages import (
     AnchorSpec,
-    DrafterSpec,
     EvalSpec,
-    HeadSpec,
     LoadSpec,
     PromptSpec,
     ResponseSpec,
     Spec,
     TeacherSpec,
     TrajectorySpec,
-    VFMSpec,
 )
+from a2d.specs.training import DrafterSpec, HeadSpec, VFMSpec
 
 __all__ = [
     "STAGES",

@@ -14,16 +14,14 @@ from pydantic import Field, ValidationError
 
 from a2d.specs.stages import (
     AnchorSpec,
-    DrafterSpec,
     EvalSpec,
-    HeadSpec,
     PromptSpec,
     ResponseSpec,
     Spec,
     TeacherSpec,
     TrajectorySpec,
-    VFMSpec,
 )
+from a2d.specs.training import DrafterSpec, HeadSpec, VFMSpec
 
 
 class TrainOptions(Spec):

@@ -17,48 +17,34 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from prefect import task
-from tqdm import tqdm
 
 from a2d.models.capture import resolve_layers
-from a2d.models.drafter import (
-    DFlashDraftModel,
-    DrafterConfig,
-    block_mask,
-    pick_mask_token,
-    position_weights,
-    spread_layers,
-)
+from a2d.models.drafter import DFlashDraftModel, DrafterConfig, pick_mask_token, spread_layers
 from a2d.models.generate import eos_ids
-from a2d.models.teacher import autocast, resolve_device, resolve_precision
+from a2d.models.objectives.drafter import DrafterObjective, Sequence, frozen_parts, train_vocab
 from a2d.specs import AnchorSpec, DrafterSpec, TrainOptions
 from a2d.stores import checkpoints
 from a2d.stores.anchors import AnchorMismatchError, AnchorReader
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import read_responses
-from a2d.stores.uri import Location
 from a2d.tasks import teacher as teacher_stage
-from a2d.tasks.interrupt import StopFlag, on_sigterm
-from a2d.tasks.report import Progress
 from a2d.tasks.runtime import logger
-from a2d.tasks.tracking import Tracker
-from a2d.tasks.training import lr_lambda, run_trainer
+from a2d.tasks.train import TrainJob
+from a2d.tasks.train import train as train_in_process
+from a2d.tasks.training import run_trainer, stage_job
 
 STAGE = "drafter"
 SHARD = "drafter"
 # 2: config.json carries rope_theta at the top level beside rope_parameters (4.x readers)
 FORMAT_VERSION = 2
 PROVENANCE = "drafter_spec.json"
-CURVE_POINTS = (0.25, 0.5, 1.0)  # shares of the steps at which held-out τ is measured
 
 
 def key_inputs(spec: DrafterSpec, teacher_key: str, responses_key: str, anchors_key: str) -> KeyInputs:
@@ -120,22 +106,6 @@ def check_anchors(reader: AnchorReader, teacher: ArtifactRef, layers: list[int])
         )
 
 
-@dataclass
-class Sequence:
-    """One response as the drafter trains on it: tokens, where the response starts, the fused
-    input features (T, K*H) of every position."""
-
-    sample_id: str
-    tokens: torch.Tensor  # (T,) long
-    prompt_len: int
-    features: torch.Tensor  # (T, K*H), stored dtype
-
-    @property
-    def starts(self) -> np.ndarray:
-        """Block starts s with at least one target: s in [prompt_len, T - 2]."""
-        return np.arange(self.prompt_len, len(self.tokens) - 1)
-
-
 def load_sequences(
     reader: AnchorReader, rows: list[dict], layers: list[int], dtype: torch.dtype
 ) -> list[Sequence]:
@@ -153,155 +123,6 @@ def load_sequences(
             Sequence(r["sample_id"], torch.tensor(tokens), len(r["prompt_ids"]), feats.flatten(1).to(dtype))
         )
     return out
-
-
-@dataclass
-class Frozen:
-    """What the drafter borrows from the teacher: embedding, output head (restricted to the draft
-    vocabulary when it has one), and the map from token id to head row."""
-
-    embed: torch.Tensor  # (V, H)
-    head: torch.Tensor  # (V', H)
-    vocab: torch.Tensor | None  # (V',) token ids, or None for the whole vocabulary
-    row_of: torch.Tensor | None  # (V,) head row of each token id, -1 outside the vocabulary
-
-
-def frozen_parts(model, vocab: torch.Tensor | None, device: str) -> Frozen:
-    embed = model.get_input_embeddings().weight.detach().to(device)
-    head = model.get_output_embeddings().weight.detach().to(device)
-    row_of = None
-    if vocab is not None:
-        head = head[vocab.to(device)]
-        row_of = torch.full((embed.shape[0],), -1, dtype=torch.long, device=device)
-        row_of[vocab.to(device)] = torch.arange(len(vocab), device=device)
-    return Frozen(embed, head, vocab, row_of)
-
-
-def train_vocab(rows: list[dict], eos: list[int]) -> torch.Tensor:
-    ids = {t for r in rows for t in list(r["prompt_ids"]) + list(r["response_ids"])} | set(eos)
-    return torch.tensor(sorted(ids), dtype=torch.long)
-
-
-def make_batch(seqs: list[Sequence], spec: DrafterSpec, rng: np.random.Generator, mask_id: int, device: str):
-    """Features (b, W, K*H), context lengths, starts (b, M), block ids (b, M, B) and targets (b, M, B-1)."""
-    b, m, block = len(seqs), spec.blocks_per_sample, spec.block_size
-    width = max(len(s.tokens) for s in seqs)
-    feats = torch.zeros((b, width, seqs[0].features.shape[1]), dtype=seqs[0].features.dtype)
-    ctx_len = torch.tensor([len(s.tokens) for s in seqs])
-    starts = torch.zeros((b, m), dtype=torch.long)
-    ids = torch.full((b, m, block), mask_id, dtype=torch.long)
-    targets = torch.full((b, m, block - 1), -100, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        feats[i, : len(s.tokens)] = s.features
-        cands = s.starts
-        chosen = np.sort(rng.choice(cands, m, replace=len(cands) < m))
-        starts[i] = torch.from_numpy(chosen)
-        for j, st in enumerate(chosen.tolist()):
-            ids[i, j, 0] = s.tokens[st]
-            tail = s.tokens[st + 1 : st + block]
-            targets[i, j, : len(tail)] = tail
-    return feats.to(device), ctx_len.to(device), starts.to(device), ids.to(device), targets.to(device)
-
-
-def block_states(drafter: DFlashDraftModel, frozen: Frozen, feats, ctx_len, starts, ids) -> torch.Tensor:
-    """The drafter's states of every block offset >= 1: (b, M, B-1, H)."""
-    b, m, block = ids.shape
-    width = feats.shape[1]
-    positions = torch.arange(width, device=feats.device)[None].expand(b, -1)
-    kv = drafter.context_kv(drafter.fuse(feats), positions)
-    block_pos = (starts[..., None] + torch.arange(block, device=feats.device)).reshape(b, -1)
-    mask = block_mask(starts, ctx_len, width, block)
-    states = drafter(frozen.embed[ids.reshape(b, -1)], block_pos, kv, mask)
-    return states.reshape(b, m, block, -1)[:, :, 1:]
-
-
-def head_targets(frozen: Frozen, targets: torch.Tensor) -> torch.Tensor:
-    if frozen.row_of is None:
-        return targets
-    rows = frozen.row_of[targets.clamp_min(0)]
-    return torch.where(targets < 0, targets, rows)
-
-
-def drafter_loss(drafter, frozen: Frozen, batch, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted CE, per-offset top-1 accuracy (B-1,)) of one batch."""
-    feats, ctx_len, starts, ids, targets = batch
-    states = block_states(drafter, frozen, feats, ctx_len, starts, ids)  # (b, M, B-1, H)
-    logits = (states @ frozen.head.T.to(states.dtype)).float()  # (b, M, B-1, V')
-    tgt = head_targets(frozen, targets)
-    ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none").view(
-        tgt.shape
-    )
-    valid = (tgt >= 0).float()
-    w = weights.to(ce.device)[None, None] * valid
-    loss = (ce * w).sum() / w.sum().clamp_min(1e-8)
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == tgt).float() * valid
-        acc = hit.sum((0, 1)) / valid.sum((0, 1)).clamp_min(1)
-    return loss, acc
-
-
-def decode_chain(accepted_at: dict[int, int], first: int) -> list[int]:
-    """The accepted-draft counts of the blocks a greedy decode meets: the first block starts at
-    `first`; after n accepted drafts the verify's own token lands too, so the next starts n + 1 on."""
-    out, start = [], first
-    while start in accepted_at:
-        out.append(accepted_at[start])
-        start += accepted_at[start] + 1
-    return out
-
-
-@torch.no_grad()
-def teacher_forced(
-    drafter, frozen: Frozen, seqs: list[Sequence], block: int, mask_id: int, device: str
-) -> dict:
-    """Held-out acceptance with the teacher's own continuation: from every block start, how many
-    leading drafts equal the teacher's tokens. τ = 1 + mean accepted (the verify's own token included).
-
-    `tau_decode_chain` is τ over the block starts a greedy decode meets: the first block starts at
-    the first response token, each next one where the last stopped (after n accepted drafts, at
-    start + n + 1). A decode's blocks start right after its rejections, where drafting is harder than
-    at a random position, so this is what a lossless decode's τ comes to, and it sits below `tau`."""
-    accepted: list[int] = []
-    chain: list[int] = []
-    by_offset = np.zeros(block - 1)
-    reach = np.zeros(block - 1)
-    for s in seqs:
-        starts = s.starts
-        at: dict[int, int] = {}  # block start -> drafts accepted there
-        for lo in range(0, len(starts), 64):
-            chunk = torch.from_numpy(starts[lo : lo + 64])[None].to(device)
-            ids = torch.full((1, chunk.shape[1], block), mask_id, dtype=torch.long, device=device)
-            ids[0, :, 0] = s.tokens.to(device)[chunk[0]]
-            states = block_states(
-                drafter,
-                frozen,
-                s.features[None].to(device),
-                torch.tensor([len(s.tokens)], device=device),
-                chunk,
-                ids,
-            )[0]
-            best = (states @ frozen.head.T.to(states.dtype)).argmax(-1)  # (M, B-1)
-            drafts = best if frozen.vocab is None else frozen.vocab.to(device)[best]
-            for j, st in enumerate(chunk[0].tolist()):
-                truth = s.tokens[st + 1 : st + block].tolist()
-                n = 0
-                while n < len(truth) and drafts[j, n].item() == truth[n]:
-                    n += 1
-                accepted.append(n)
-                at[st] = n
-                reach[: len(truth)] += 1
-                by_offset[:n] += 1
-        chain += decode_chain(at, s.prompt_len)
-    mean = float(np.mean(accepted)) if accepted else 0.0
-    return {
-        "starts": len(accepted),
-        "tau": round(1.0 + mean, 4),
-        "tau_decode_chain": round(1.0 + float(np.mean(chain)), 4) if chain else None,
-        "chain_starts": len(chain),
-        "accept_by_offset": [
-            round(float(a / r), 4) if r else None for a, r in zip(by_offset, reach, strict=True)
-        ],
-    }
 
 
 def build_config(spec: DrafterSpec, text_config, layers: list[int], mask_id: int) -> DrafterConfig:
@@ -325,23 +146,10 @@ def build_config(spec: DrafterSpec, text_config, layers: list[int], mask_id: int
     )
 
 
-def train_drafter(
-    store: ArtifactStore,
-    refs: dict[str, ArtifactRef],
-    spec: DrafterSpec,
-    train: TrainOptions,
-    work: Path,
-    device: str = "cpu",
-    stop_after: int | None = None,
-    remote: Location | None = None,
-    max_train_rows: int | None = None,
-) -> dict[str, Any]:
-    """Train the drafter; checkpoints (weights, optimizer, scheduler, RNG, step) under `work/checkpoints`.
-
-    `max_train_rows` trains on that many training responses drawn by the seed (every prompt set in
-    its share): the benchmark's τ-against-data curve; the stage trains on all of them."""
-    log = logger()
-    torch.manual_seed(spec.seed)
+def objective(store: ArtifactStore, job: TrainJob, device: torch.device, precision: str) -> DrafterObjective:
+    """The drafter's objective from what it reads: the teacher's frozen embedding and head, its
+    states at every position from the anchors (checked), the training and held-out responses."""
+    spec, refs, dev = job.spec, job.inputs, str(device)
     teacher_dir = teacher_stage.local_dir(store, refs["teacher"])
     remote_code = teacher_stage.trusts_remote_code(store, refs["teacher"])
     with store.reading(refs["teacher"]):
@@ -355,40 +163,26 @@ def train_drafter(
     reader.check_responses(store, refs["responses"])
     rows = sorted(read_responses(store, refs["responses"]).to_pylist(), key=lambda r: r["sample_id"])
     train_rows = [r for r in rows if r["split"] == "train"]
-    if max_train_rows is not None and max_train_rows < len(train_rows):
-        keep = set(np.random.default_rng(spec.seed).choice(len(train_rows), max_train_rows, replace=False))
+    if job.max_train_rows is not None and job.max_train_rows < len(train_rows):
+        keep = set(
+            np.random.default_rng(spec.seed).choice(len(train_rows), job.max_train_rows, replace=False)
+        )
         train_rows = [r for i, r in enumerate(train_rows) if i in keep]
-    store_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    store_dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     seqs = load_sequences(reader, train_rows, layers, store_dtype)
     held = load_sequences(reader, [r for r in rows if r["split"] == "eval"], layers, store_dtype)
     if not seqs:
         raise ValueError("no training responses with 2 or more tokens: raise responses.max_new_tokens")
-    eos = eos_ids(model, tok)
-    vocab = train_vocab(train_rows, eos) if spec.vocab == "train" else None
-    frozen = frozen_parts(model, vocab, device)
+    vocab = train_vocab(train_rows, eos_ids(model, tok)) if spec.vocab == "train" else None
+    frozen = frozen_parts(model, vocab, dev)
     mask_id = pick_mask_token(tok, frozen.embed.shape[0])
     del model
     drafter = DFlashDraftModel(build_config(spec, text, layers, mask_id))
     drafter.draft_vocab = vocab
     dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
-    drafter.to(device=device, dtype=dtype)
+    drafter.to(device=dev, dtype=dtype)
     frozen.embed, frozen.head = frozen.embed.to(dtype), frozen.head.to(dtype)
-    params = [p for p in drafter.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
-    root = work / "checkpoints"
-    step, curve = 0, []
-    last = checkpoints.latest(root)
-    if last is not None:
-        from safetensors.torch import load_file
-
-        state, _ = checkpoints.load(last, optimizer, scheduler)
-        drafter.load_state_dict(load_file(last / "adapter" / "model.safetensors"))
-        step, curve = state["step"], state.get("curve", [])
-        log.info("drafter: resumed from %s", last.name)
-    weights = position_weights(spec.block_size, spec.gamma)
-    marks = sorted({max(1, round(f * spec.steps)) for f in CURVE_POINTS})
-    log.info(
+    logger().info(
         "drafter: %d train / %d held-out responses, teacher layers %s, %d draft layer(s), block %d, vocab %s",
         len(seqs),
         len(held),
@@ -397,88 +191,38 @@ def train_drafter(
         spec.block_size,
         "full" if vocab is None else len(vocab),
     )
-    history: list[dict[str, Any]] = []
-    progress = Progress(spec.steps, "drafter")
-    bar = tqdm(total=spec.steps, initial=step, desc="drafter", leave=False)
-    stop = StopFlag()
-    precision = resolve_precision(train.mixed_precision, torch.device(device))
-    tracker = Tracker(
-        train.wandb_project,
-        "drafter",
-        work.name,
-        {"drafter": spec.model_dump(mode="json"), "train": train.model_dump(mode="json"), "layers": layers},
-        work,
+    return DrafterObjective(spec, drafter, frozen, seqs, held, layers, dev, precision)
+
+
+def train_drafter(
+    store: ArtifactStore,
+    refs: dict[str, ArtifactRef],
+    spec: DrafterSpec,
+    train: TrainOptions,
+    work: Path,
+    device: str = "cpu",
+    stop_after: int | None = None,
+    max_train_rows: int | None = None,
+) -> dict[str, Any]:
+    """Train the drafter in this process (tests, benchmarks); checkpoints under `work/checkpoints`.
+
+    `max_train_rows` trains on that many training responses drawn by the seed (every prompt set in
+    its share): the benchmark's τ-against-data curve; the stage trains on all of them."""
+    ref = store.ref(
+        STAGE, key_inputs(spec, refs["teacher"].key, refs["responses"].key, refs["anchors"].key).key
     )
-    tracker.publish_link()
-    started = time.perf_counter()
-    with on_sigterm(stop), tracker:
-        drafter.train()
-        while step < spec.steps:
-            rng = np.random.default_rng(np.random.SeedSequence([spec.seed, step]))
-            picked = [
-                seqs[i] for i in rng.choice(len(seqs), min(spec.micro_batch_size, len(seqs)), replace=False)
-            ]
-            batch = make_batch(picked, spec, rng, mask_id, device)
-            with autocast(torch.device(device), precision):
-                loss, acc = drafter_loss(drafter, frozen, batch, weights)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            history.append(
-                {
-                    "step": step,
-                    "loss": round(loss.item(), 6),
-                    "acc_1": round(acc[0].item(), 4),
-                    "acc_last": round(acc[-1].item(), 4),
-                    "grad_norm": round(float(grad_norm), 4),
-                    "lr": scheduler.get_last_lr()[0],
-                }
-            )
-            tracker.log(history[-1], step)
-            bar.update(1)
-            progress.advance(1)
-            if step % train.log_every == 0:
-                log.info(
-                    "drafter step %d/%d loss %.4f acc@1 %.3f", step, spec.steps, loss.item(), acc[0].item()
-                )
-            if step in marks and held:
-                drafter.eval()
-                point = {
-                    "step": step,
-                    **teacher_forced(drafter, frozen, held, spec.block_size, mask_id, device),
-                }
-                drafter.train()
-                curve.append(point)
-                log.info("drafter step %d: held-out teacher-forced tau %.3f", step, point["tau"])
-            if step % train.checkpoint_every == 0 or step in (spec.steps, stop_after) or stop.set:
-                checkpoints.publish(
-                    root,
-                    step,
-                    train.keep_checkpoints,
-                    drafter,
-                    {},
-                    optimizer,
-                    scheduler,
-                    step * spec.micro_batch_size,
-                    {"curve": curve},
-                    remote=remote,
-                )
-            if step == stop_after or stop.set:
-                break
-    bar.close()
-    return {
-        "step": step,
-        "history": history,
-        "curve": curve,
-        "stopped": stop.set,
-        "layers": layers,
-        "train_seconds": round(time.perf_counter() - started, 3),
-        "rows": len(seqs),
-        "tokens": int(sum(len(s.tokens) - s.prompt_len for s in seqs)),
-    }
+    job = TrainJob(
+        store_uri=store.root.uri,
+        ref=ref,
+        inputs=refs,
+        spec=spec,
+        train=train,
+        device=device,
+        workdir=str(work),
+        stop_after=stop_after,
+        max_train_rows=max_train_rows,
+    )
+    return train_in_process(job)
 
 
 @task(name="drafter-train", task_run_name="drafter-{ref.key}", tags=["gpu"])
@@ -491,13 +235,7 @@ def drafter_train(
     device: str,
 ) -> dict:
     store = ArtifactStore(store_uri)
-    dev = str(resolve_device(device))
-    result, last = run_trainer(
-        store,
-        ref,
-        spec.steps,
-        lambda work, remote: train_drafter(store, refs, spec, train, work, dev, remote=remote),
-    )
+    result, last = run_trainer(store, stage_job(store, ref, refs, spec, train, device))
     provenance = {
         "teacher_key": refs["teacher"].key,
         "anchors_key": refs["anchors"].key,

@@ -1,41 +1,29 @@
-"""head stage: launch diffusion-head training in its own process(es), stream its logs, publish the adapter."""
+"""head stage: the diffusion head's key, its objective from what it reads, and the published adapter
+(the training runs in its own process(es), a2d.tasks.train)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import task
-from tqdm import tqdm
 
+from a2d.models.generate import eos_ids
+from a2d.models.objectives.head import HeadObjective
 from a2d.models.student import DiffusionSpec
-from a2d.models.teacher import resolve_device
 from a2d.specs import HeadSpec, TeacherSpec, TrainOptions
-from a2d.stores import checkpoints
+from a2d.stores.anchors import AnchorReader
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, hash_local_tree
 from a2d.stores.keys import KeyInputs
-from a2d.tasks.concurrency import gpu_slot
-from a2d.tasks.interrupt import Stopped, on_sigterm, stop_requested
-from a2d.tasks.report import Progress
-from a2d.tasks.runtime import logger
-from a2d.tasks.students import HEAD_SHARD
-from a2d.tasks.tracking import publish_link
-from a2d.tasks.train_head import TrainJob
-from a2d.tasks.training import restore_checkpoints, workdir
+from a2d.stores.readers import check_same_responses, read_responses, read_trajectories
+from a2d.tasks import teacher as teacher_stage
+from a2d.tasks.students import HEAD_SHARD, head_student
+from a2d.tasks.train import TrainJob
+from a2d.tasks.training import run_trainer, stage_job
 
 STAGE = "head"
-# Library warnings the trainer's stderr carries (transformers FutureWarnings, bitsandbytes notes, the
-# `warnings.warn(` source line that follows each): noise in a run's log, still on the process's stderr.
-THIRD_PARTY_NOISE = re.compile(
-    r"(Warning: |^\s*warnings\.warn\(|site-packages/|bitsandbytes|`kernels`|UserWarning|DeprecationWarning)"
-)
 SHARD = HEAD_SHARD
 FORMAT_VERSION = 2  # 2: decode-state views, block attention from the response start, adapter scope
 
@@ -46,107 +34,36 @@ def key_inputs(spec: HeadSpec, teacher_key: str, anchors_key: str, trajectories_
     return KeyInputs(STAGE, FORMAT_VERSION, spec.model_dump(mode="json"), upstream)
 
 
-def launch_command(job_path: Path, train: TrainOptions) -> list[str]:
-    """`python -m a2d.tasks.train_head` for one process; `accelerate launch` for several."""
-    if train.num_processes * train.num_machines == 1:
-        return [sys.executable, "-m", "a2d.tasks.train_head", str(job_path)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes",
-        str(train.num_processes * train.num_machines),
-        "--num_machines",
-        str(train.num_machines),
-    ]
-    # --multi_gpu is accelerate's multi-process mode: NCCL on GPUs; without GPUs it runs MULTI_CPU
-    # with gloo (its --cpu flag would start a single process).
-    cmd.append("--multi_gpu")
-    return [*cmd, "-m", "a2d.tasks.train_head", str(job_path)]
-
-
-def parse_event(line: str) -> tuple[str, str, dict[str, Any]] | None:
-    """An `A2D kind {json}` line from the training process, or None for any other line.
-
-    A line that looks like an event but does not parse (a foreign process wrote into the middle of
-    it) is logged as plain output rather than failing a run that is training fine.
-    """
-    if not line.startswith("A2D "):
-        return None
-    kind, _, payload = line[4:].partition(" ")
-    try:
-        fields = json.loads(payload)
-    except json.JSONDecodeError:
-        return None
-    return (kind, payload, fields) if isinstance(fields, dict) else None
-
-
-def run_training(job: TrainJob, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the training process to the end, streaming its lines into the logs; raises on failure
-    (`Stopped` when SIGTERM stopped it after a checkpoint)."""
-    work = Path(job.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    job_path = work / "job.json"
-    job_path.write_text(job.model_dump_json(indent=2))
-    (work / "result.json").unlink(missing_ok=True)  # written by the trainer when it ends
-    progress = Progress(job.spec.steps, f"head {job.head.key}")
-    if stop_requested():  # SIGTERM came while this task was getting ready: start nothing
-        raise Stopped("head training was not started: SIGTERM arrived first; rerun the head stage to resume")
-    # The trainer is the installed `a2d.tasks.train_head`, run in this process's working directory;
-    # the job names the store by its absolute URI, so a relative store cannot resolve elsewhere.
-    proc = subprocess.Popen(
-        launch_command(job_path, job.train),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
+def objective(store: ArtifactStore, job: TrainJob, device: torch.device, precision: str) -> HeadObjective:
+    """The head's objective from what it reads: the student on the teacher, the anchors (checked against
+    the teacher and responses), the training responses and their trajectories."""
+    spec, inputs = job.spec, job.inputs
+    student = head_student(
+        teacher_stage.local_dir(store, inputs["teacher"]),
+        spec,
+        str(device),
+        job.teacher_spec.trust_remote_code,
+        gradient_checkpointing=job.train.gradient_checkpointing,
     )
-    assert proc.stdout is not None
-    logger().info("head training process %d started: %s", proc.pid, job_path)
-    # SIGTERM to this process (pod eviction, Prefect cancellation) is passed on, so the trainer
-    # saves a checkpoint at the end of its current step before everything exits. The flow's main
-    # thread receives it (run_sharded forwards it here, to this task's worker thread).
-    bar = tqdm(total=job.spec.steps, desc=f"head {job.head.key}", leave=False)
-    with on_sigterm(lambda: proc.send_signal(signal.SIGTERM)) as forwarded, bar:
-        if not forwarded:
-            logger().warning("SIGTERM cannot reach this task (no forwarding on the main thread)")
-        code = _stream(proc, progress, bar)
-    done = work / "result.json"
-    result = json.loads(done.read_text()) if done.is_file() else None
-    if result is None or (code != 0 and not result["stopped"]):
-        raise RuntimeError(
-            f"head training exited with code {code}; rerun the head stage to resume from the last checkpoint"
+    reader = AnchorReader(store, inputs["anchors"])
+    reader.check(teacher_key=inputs["teacher"].key, capture="residual")
+    reader.check_responses(store, inputs["responses"])
+    table = read_responses(store, inputs["responses"])
+    samples = sorted((r for r in table.to_pylist() if r["split"] == "train"), key=lambda r: r["sample_id"])
+    if not samples:
+        raise ValueError(
+            "no training samples: every prompt is in the eval split; lower prompts.eval_fraction"
         )
-    # after SIGTERM torchrun exits non-zero even though every rank checkpointed and stopped cleanly
-    if result["stopped"] and job.stop_after is None:
-        raise Stopped(
-            f"head training stopped by SIGTERM at step {result['step']} after saving a checkpoint; "
-            "rerun the head stage to resume"
-        )
-    return result
-
-
-def _stream(proc: subprocess.Popen, progress: Progress, bar: tqdm) -> int:
-    """Forward the trainer's lines into the logs (events parsed) until it exits; its exit code."""
-    log = logger()
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip()
-        event = parse_event(line)
-        if event is not None:
-            kind, payload, fields = event
-            if kind in ("progress", "resume"):
-                bar.update(fields["step"] - bar.n)
-                progress.advance(fields["step"] - progress.done)
-            if kind == "wandb":
-                publish_link("head", fields.get("url"))
-            log.info("train %s %s", kind, payload)
-        elif line and "Loading weights" not in line:
-            if THIRD_PARTY_NOISE.search(line):  # kept on the process's stderr, not in the run's log
-                sys.stderr.write(f"train | {line}\n")  # not print(): log_prints would relay it
-            else:
-                log.info("train | %s", line)
-    return proc.wait()
+    trajs = read_trajectories(store, inputs["trajectories"])
+    check_same_responses(store, inputs["trajectories"], trajs, samples)
+    eos = eos_ids(student.inner, student.tok)
+    token_ids = {
+        "mask": student.info.mask_id,
+        "pad": student.tok.pad_token_id,
+        "eos": eos[0],
+        "eos_set": set(eos),
+    }
+    return HeadObjective(spec, student, reader, samples, trajs, token_ids, device, precision)
 
 
 @task(name="head-train", task_run_name="head-{ref.key}", tags=["gpu"])
@@ -164,29 +81,9 @@ def head_train(
 ) -> dict:
     """Train (resuming from the last checkpoint), then publish adapter + extras + diffusion_spec.json."""
     store = ArtifactStore(store_uri)
-    work = workdir(store, ref)
-    job = TrainJob(
-        store_uri=store.root.uri,
-        head=ref,
-        teacher=teacher,
-        teacher_spec=teacher_spec,
-        responses=responses,
-        anchors=anchors,
-        trajectories=trajectories,
-        spec=spec,
-        train=train,
-        device=str(resolve_device(device)),
-        workdir=str(work),
-    )
-    restore_checkpoints(store, ref, work)  # the trainer mirrors new ones itself
-    with gpu_slot():
-        result = run_training(job)
-    last = checkpoints.latest(work / "checkpoints")
-    if last is None or checkpoints.step_of(last) != spec.steps:
-        raise RuntimeError(
-            f"head training ended without a verified checkpoint of step {spec.steps} "
-            f"(newest: {last.name if last else 'none'}); rerun the head stage to resume"
-        )
+    inputs = {"teacher": teacher, "responses": responses, "anchors": anchors, "trajectories": trajectories}
+    job = stage_job(store, ref, inputs, spec, train, device, teacher_spec)
+    result, last = run_trainer(store, job)
     info = result.get("student", {})
     diffusion_spec = DiffusionSpec(
         mask_id=info["mask_id"],

@@ -1,20 +1,19 @@
-"""Where the head, VFM and drafter trainers keep their checkpoints, how a retry on another machine
-finds them, and the task body the in-process trainers (VFM, drafter) share."""
+"""Where the head, VFM and drafter trainings keep their checkpoints, how a retry on another machine
+finds them, and the task body every training stage shares (a training process, `a2d.tasks.train`)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from a2d.specs import DrafterSpec, HeadSpec
+from a2d.models.teacher import resolve_device
+from a2d.specs import DrafterSpec, HeadSpec, TeacherSpec, TrainOptions, VFMSpec
 from a2d.stores import checkpoints
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, cache_root
 from a2d.stores.uri import Location
 from a2d.tasks.concurrency import gpu_slot
-from a2d.tasks.interrupt import Stopped, stop_requested
 from a2d.tasks.runtime import logger
+from a2d.tasks.train import TrainJob, run_training
 
 
 def workdir(store: ArtifactStore, ref: ArtifactRef) -> Path:
@@ -36,45 +35,37 @@ def restore_checkpoints(store: ArtifactStore, ref: ArtifactRef, work: Path) -> L
     return remote
 
 
-def lr_lambda(spec: HeadSpec | DrafterSpec) -> Callable[[int], float]:
-    """Linear warmup over `warmup_steps`, then `lr_schedule` (cosine, linear or constant) to `steps`."""
-
-    def f(step: int) -> float:
-        if step < spec.warmup_steps:
-            return (step + 1) / (spec.warmup_steps + 1)
-        progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-        if spec.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        if spec.lr_schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        return 1.0
-
-    return f
-
-
-def run_trainer(
+def stage_job(
     store: ArtifactStore,
     ref: ArtifactRef,
-    steps: int,
-    train: Callable[[Path, Location | None], dict[str, Any]],
-) -> tuple[dict[str, Any], Path]:
-    """A training stage's task body: bring back mirrored checkpoints, run `train(work, remote)` while
-    holding the GPU slot (not at all when SIGTERM came first), and return its result with the verified
-    checkpoint of step `steps`. A stopped or short run raises, saying to rerun the stage."""
-    stage = ref.stage
-    work = workdir(store, ref)
-    remote = restore_checkpoints(store, ref, work)
-    if stop_requested():  # SIGTERM came while this task was getting ready: start nothing
-        raise Stopped(
-            f"{stage} training was not started: SIGTERM arrived first; rerun the {stage} stage to resume"
-        )
+    inputs: dict[str, ArtifactRef],
+    spec: HeadSpec | VFMSpec | DrafterSpec,
+    train: TrainOptions,
+    device: str,
+    teacher_spec: TeacherSpec | None = None,
+) -> TrainJob:
+    """The job of a training stage's task: its artifact's work folder, the store by its absolute URI."""
+    return TrainJob(
+        store_uri=store.root.uri,
+        ref=ref,
+        inputs=inputs,
+        spec=spec,
+        train=train,
+        teacher_spec=teacher_spec,
+        device=str(resolve_device(device)),
+        workdir=str(workdir(store, ref)),
+    )
+
+
+def run_trainer(store: ArtifactStore, job: TrainJob) -> tuple[dict[str, Any], Path]:
+    """A training stage's task body: bring back mirrored checkpoints, run the training process(es)
+    while holding the GPU slot, and return its result with the verified checkpoint of the last step.
+    A stopped run raises `Stopped`, a short one RuntimeError, each saying to rerun the stage."""
+    stage, steps = job.stage, job.spec.steps
+    work = Path(job.workdir)
+    restore_checkpoints(store, job.ref, work)  # the trainer mirrors new ones itself
     with gpu_slot():
-        result = train(work, remote)
-    if result["stopped"]:
-        raise Stopped(
-            f"{stage} training stopped by SIGTERM at step {result['step']} after saving a checkpoint; "
-            f"rerun the {stage} stage to resume"
-        )
+        result = run_training(job)
     last = checkpoints.latest(work / "checkpoints")
     if last is None or checkpoints.step_of(last) != steps:
         raise RuntimeError(

@@ -213,7 +213,7 @@ def test_the_drafter_proposes_its_most_probable_paths_as_a_tree(small_teachers):
 
 
 def test_the_decode_chain_starts_where_the_last_block_stopped():
-    from a2d.tasks.drafter import decode_chain
+    from a2d.models.objectives.drafter import decode_chain
 
     at = {5: 2, 6: 3, 7: 3, 8: 3, 9: 0, 12: 0, 13: 1, 14: 2}
     assert decode_chain(at, 5) == [2, 3, 0, 1]  # 5 (+3) -> 8 (+4) -> 12 (+1) -> 13 (+2) -> 15: no block

@@ -23,7 +23,7 @@ from a2d.specs import TrainOptions
 from a2d.stores.anchors import AnchorMismatchError
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.head import key_inputs
-from a2d.tasks.train_head import TrainJob, train
+from a2d.tasks.train import TrainJob, train
 from a2d.tasks.training import workdir
 from tests.conftest import LORA, ROOT, tiny_config
 
@@ -53,8 +53,8 @@ def test_reverse_scan_is_what_makes_linear_attention_see_later_tokens(small_teac
 
 
 def test_training_events_come_from_rank_zero_and_a_garbled_line_is_not_fatal(capfd, monkeypatch):
-    from a2d.tasks.head import parse_event
-    from a2d.tasks.train_head import emit
+    from a2d.tasks.train import emit
+    from a2d.tasks.train.process import parse_event
 
     monkeypatch.setenv("RANK", "1")
     emit("done", step=2)
@@ -176,12 +176,9 @@ def _job(store, cfg, refs, spec=None, stop_after=None, workdir_=None):
     )
     return TrainJob(
         store_uri=ArtifactStore(store).root.uri,
-        head=ref,
-        teacher=refs["teacher"],
+        ref=ref,
+        inputs={k: refs[k] for k in ("teacher", "responses", "anchors", "trajectories")},
         teacher_spec=cfg.teacher,
-        responses=refs["responses"],
-        anchors=refs["anchors"],
-        trajectories=refs["trajectories"],
         spec=spec,
         train=cfg.train,
         workdir=str(workdir_ or workdir(st, ref)),
@@ -194,7 +191,8 @@ def test_loss_and_alignment_fall(data, tmp_path):
     alignment term alone lower it (a random teacher's CE noise hides alignment inside full training)."""
     import numpy as np
 
-    from a2d.tasks.train_head import align_term, diffusion_ce, make_batch, resume, setup
+    from a2d.models.objectives.head import align_term, diffusion_ce, make_batch
+    from a2d.tasks.train.loop import resume, setup
 
     store, cfg, refs = data
     train_opts = TrainOptions(checkpoint_every=100, log_every=100)
@@ -209,14 +207,15 @@ def test_loss_and_alignment_fall(data, tmp_path):
     def fixed(job):  # (CE, alignment) of the student at the newest checkpoint on one fixed batch
         run = setup(job)
         resume(run)
-        samples = run.samples[:16]
-        batch = make_batch(samples, run.trajs, run.sampler, job.spec, 0, 999, run.token_ids)
+        head = run.objective
+        samples = head.samples[:16]
+        batch = make_batch(samples, head.trajs, head.sampler, job.spec, 0, 999, head.token_ids)
         with torch.no_grad():
             _, info, captured, split = diffusion_ce(
-                run.student, batch, job.spec, run.device, run.align_layers
+                head.student, batch, job.spec, run.device, head.align_layers
             )
             align = align_term(
-                run, batch, samples, run.align_layers, captured, split, np.random.default_rng(0)
+                head, batch, samples, head.align_layers, captured, split, np.random.default_rng(0)
             )
         return info["ce"], float(align)
 
@@ -230,12 +229,13 @@ def test_loss_and_alignment_fall(data, tmp_path):
     # The alignment gradient reaches the adapter: on one fixed batch, steps on the alignment term
     # alone lower it (through the same capture, centring and anchor lookup training uses).
     run = setup(plain)
-    samples = run.samples[:8]
-    batch = make_batch(samples, run.trajs, run.sampler, plain.spec, 0, 7, run.token_ids)
+    head = run.objective
+    samples = head.samples[:8]
+    batch = make_batch(samples, head.trajs, head.sampler, plain.spec, 0, 7, head.token_ids)
     history = []
     for _ in range(8):
-        _, _, captured, split = diffusion_ce(run.student, batch, plain.spec, run.device, run.align_layers)
-        align = align_term(run, batch, samples, run.align_layers, captured, split, np.random.default_rng(0))
+        _, _, captured, split = diffusion_ce(head.student, batch, plain.spec, run.device, head.align_layers)
+        align = align_term(head, batch, samples, head.align_layers, captured, split, np.random.default_rng(0))
         align.backward()
         run.optimizer.step()
         run.optimizer.zero_grad()
@@ -248,7 +248,8 @@ def test_foreign_anchors_are_refused(data, tmp_path):
     from a2d.flows.teacher import teacher_flow
 
     other = teacher_flow(cfg.teacher.model_copy(update={"seed": 1}), store)  # another teacher, same store
-    job = _job(store, cfg, refs, workdir_=tmp_path / "w").model_copy(update={"teacher": other})
+    job = _job(store, cfg, refs, workdir_=tmp_path / "w")
+    job = job.model_copy(update={"inputs": {**job.inputs, "teacher": other}})
     with pytest.raises(
         AnchorMismatchError, match=f"teacher_key='{refs['teacher'].key}'.*teacher_key='{other.key}'"
     ):
@@ -258,14 +259,15 @@ def test_foreign_anchors_are_refused(data, tmp_path):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    import a2d.tasks.train_head as th
-    original = th.train_step
+    import a2d.tasks.train.loop as loop
+    from a2d.tasks.train.process import main
+    original = loop.train_step
     def train_step(run, step):
         if step == 3:  # steps 1-3 done, the checkpoint is of step 2: die inside step 4
             os.kill(os.getpid(), signal.SIGKILL)
         return original(run, step)
-    th.train_step = train_step
-    sys.exit(th.main(sys.argv[1:]))
+    loop.train_step = train_step
+    sys.exit(main(sys.argv[1:]))
     """
 )
 
@@ -306,7 +308,7 @@ def test_sigkill_mid_step_then_resume_is_exact(tmp_path_factory, tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000002"]
     resumed = subprocess.run(
-        [sys.executable, "-m", "a2d.tasks.train_head", str(tmp_path / "killed" / "job.json")],
+        [sys.executable, "-m", "a2d.tasks.train", str(tmp_path / "killed" / "job.json")],
         env=env,
         cwd=ROOT,
         timeout=600,
@@ -362,7 +364,7 @@ def test_bf16_autocast_and_offline_wandb_run_resumed_under_one_id(data, tmp_path
     )
     first = train(job.model_copy(update={"stop_after": 1}))
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and runs[0].name.endswith(f"head-{job.head.key}")
+    assert len(runs) == 1 and runs[0].name.endswith(f"head-{job.ref.key}")
     # the run's record log (protobuf) carries the logged keys and values as JSON text, flushed by now
     record = next(runs[0].glob("run-*.wandb")).read_bytes()
     assert b"lambda" in record and json.dumps(first["history"][-1]["loss"]).encode() in record
@@ -371,7 +373,7 @@ def test_bf16_autocast_and_offline_wandb_run_resumed_under_one_id(data, tmp_path
     assert out["precision"] == "bf16" and all(math.isfinite(h["loss"]) for h in out["history"])
     assert [h["step"] for h in out["history"]] == [2]
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"head-{job.head.key}") for r in runs)  # one run id
+    assert len(runs) == 2 and all(r.name.endswith(f"head-{job.ref.key}") for r in runs)  # one run id
     resumed = next(runs[1].glob("run-*.wandb")).read_bytes()
     assert json.dumps(out["history"][-1]["loss"]).encode() in resumed
     assert json.dumps(first["history"][-1]["loss"]).encode() not in resumed  # only the new steps
@@ -557,7 +559,7 @@ def test_diffusion_decode_trajectories_from_a_trained_head(data):
 def test_the_student_is_built_with_the_teachers_trust_remote_code(data, tmp_path, monkeypatch):
     """teacher.trust_remote_code reaches the student's from_pretrained (it was dropped there)."""
     import a2d.models.teacher as teacher_module
-    from a2d.tasks.train_head import setup
+    from a2d.tasks.train.loop import setup
 
     store, cfg, refs = data
     seen = []
@@ -582,7 +584,7 @@ def test_the_student_is_built_with_the_teachers_trust_remote_code(data, tmp_path
 def test_library_warnings_stay_out_of_the_run_log():
     """The trainer's stderr lines that are library warnings (as seen in a served run's log) are kept
     off the Prefect log; a2d's own lines and tracebacks are not."""
-    from a2d.tasks.head import THIRD_PARTY_NOISE
+    from a2d.tasks.train.process import THIRD_PARTY_NOISE
 
     noise = [
         "/x/.venv/lib/python3.11/site-packages/transformers/modeling_utils.py:3312: FutureWarning: "

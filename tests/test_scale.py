@@ -144,8 +144,7 @@ def test_dask_fan_out_matches_threads(tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_process(tmp_path):
-    from a2d.tasks.head import launch_command, run_training
-    from a2d.tasks.train_head import train
+    from a2d.tasks.train import launch_command, run_training, train
     from tests.test_head import _job
 
     store = str(tmp_path / "store")
@@ -227,3 +226,61 @@ def _initial_mask(store: str, refs: dict) -> torch.Tensor:
         32,
     )
     return student.mask.weight.detach()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_train_the_drafter_as_one_does(tmp_path):
+    """The drafter on the one training process path: 2 gloo processes, each training half of every
+    step's responses, end with the weights of 1 process training all of them."""
+    from a2d.models.drafter import DFlashDraftModel
+    from a2d.tasks.drafter import key_inputs
+    from a2d.tasks.train import TrainJob, run_training, train
+
+    store = str(tmp_path / "store")
+    # No clipping: clipped to one norm, a gradient summed over ranks instead of averaged would pass;
+    # AdamW hides a gradient's scale, so the logged pre-clip norms are compared too. A non-constant
+    # schedule (warmup, then linear decay) makes the scheduler's steps count.
+    cfg = tiny_config(
+        store,
+        *LLAMA,
+        "drafter.steps=3",
+        "drafter.micro_batch_size=4",
+        "drafter.max_grad_norm=1000000",
+        "drafter.warmup_steps=1",
+        "drafter.lr_schedule=linear",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=3",
+    )
+    refs = pipeline(cfg, until="anchors")
+    st = ArtifactStore(store)
+    inputs = {k: refs[k] for k in ("teacher", "responses", "anchors")}
+    ref = st.ref("drafter", key_inputs(cfg.drafter, *(refs[k].key for k in inputs)).key)
+
+    def job(folder: str, processes: int) -> TrainJob:
+        opts = cfg.train.model_copy(update={"num_processes": processes})
+        return TrainJob(
+            store_uri=st.root.uri,
+            ref=ref,
+            inputs=inputs,
+            spec=cfg.drafter,
+            train=opts,
+            workdir=str(tmp_path / folder),
+        )
+
+    one = train(job("one", 1))  # in this process: the loop without a launch
+    two = run_training(job("two", 2))
+    assert [h["step"] for h in two["history"]] == [1, 2, 3]
+    for a, b in zip(one["history"], two["history"], strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4) and b["lr"] == a["lr"]
+    assert len({h["lr"] for h in one["history"]}) == 3
+
+    def weights(folder: str, step: int) -> dict:
+        return DFlashDraftModel.load(tmp_path / folder / f"checkpoints/step-{step:08d}/adapter").state_dict()
+
+    a, b = weights("one", 3), weights("two", 3)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
+    first = weights("one", 1)
+    assert any(not torch.equal(first[k], a[k]) for k in a)  # steps 2-3 moved the weights

@@ -198,8 +198,8 @@ def test_alignment_is_mean_centred():
 def test_the_prefix_once_without_grad_gives_the_full_forward_loss_and_gradients(small_teachers, arch):
     """Training runs the base-model prefix once without grad into a cache and only the open block
     with grad; loss, gradients and captured states equal one full forward with grad."""
+    from a2d.models.objectives.head import diffusion_ce
     from a2d.specs import HeadSpec
-    from a2d.tasks.train_head import diffusion_ce
 
     student = trained_like(small_teachers, arch)
     sampler = ViewSampler(0, 10, 4, r_max=1.0)

@@ -103,9 +103,9 @@ def test_joint_lora_tuning_resumes_exactly_and_the_eval_uses_the_tuned_flow_map(
 
 @pytest.mark.slow
 def test_sigterm_to_a_vfm_flow_run_checkpoints_the_current_step_and_a_rerun_resumes(built, tmp_path):
-    """The VFM loop runs inside its task's worker thread: SIGTERM to the flow run's process reaches it
-    through the flow's main thread; it checkpoints the step it is on, the run fails with a "rerun to
-    resume" error, and a rerun continues from that step."""
+    """The VFM trains in a process its task (on a worker thread) launched: SIGTERM to the flow run's
+    process reaches it through the flow's main thread; it checkpoints the step it is on, the run fails
+    with a "rerun to resume" error, no trainer is left behind, and a rerun continues from that step."""
     import re
 
     from a2d.flows.pipeline import STEPS, plan
@@ -120,7 +120,7 @@ def test_sigterm_to_a_vfm_flow_run_checkpoints_the_current_step_and_a_rerun_resu
         }
     )
     vfm = plan(cfg, "vfm")["vfm"]
-    err = sigterm_flow_run(cfg, "vfm", tmp_path, "vfm step 1/")
+    err = sigterm_flow_run(cfg, "vfm", tmp_path, "train progress", trainer=f"{vfm.key}/job.json")
     assert "rerun the vfm stage to resume" in err, err[-3000:]
     step = int(re.search(r"vfm training stopped by SIGTERM at step (\d+)", err).group(1))
     assert 1 <= step < 30

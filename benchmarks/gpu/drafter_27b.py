@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from a2d.models.drafter import DFlashDraftModel, position_weights  # noqa: E402
+from a2d.models.objectives.drafter import Frozen, drafter_loss  # noqa: E402
 from a2d.specs import DrafterSpec  # noqa: E402
-from a2d.tasks.drafter import Frozen, build_config, drafter_loss, target_layers  # noqa: E402
+from a2d.tasks.drafter import build_config, target_layers  # noqa: E402
 from benchmarks.gpu.shapes import arguments, peak_memory_gb, report, setup, sync  # noqa: E402
 
 
