@@ -92,7 +92,7 @@ def main() -> None:
     from tqdm.auto import tqdm
 
     from a2d.models import decoders as registry
-    from a2d.models.speculative import DFlashDrafter
+    from a2d.models.dflash_drafter import DFlashDrafter
     from a2d.specs import DrafterSpec
     from a2d.stores.anchors import AnchorReader
     from a2d.stores.readers import read_held_out

@@ -27,8 +27,10 @@ from collections.abc import Callable
 import torch
 
 from a2d.models.canvas import Canvas
+from a2d.models.dflash_drafter import DFlashDrafter
 from a2d.models.lean_canvas import lean_canvas
-from a2d.models.speculative import DFlashDrafter, Proposal, ngram_drafts
+from a2d.models.proposals import ngram_drafts
+from a2d.models.speculative import Proposal
 from a2d.models.student import Student
 
 COST_SIZES = (1, 2, 3, 5, 9, 17)  # fed tokens at which a verify forward's cost is timed

@@ -45,15 +45,9 @@ from torch import nn
 from a2d.models.adaptive import DrafterLookup, forward_cost
 from a2d.models.ar import ar_decode, hf_prompt_lookup
 from a2d.models.block_decode import Decoded, OnStep, threshold_decode
-from a2d.models.speculative import (
-    DFlashDrafter,
-    HeadDrafter,
-    HeadLookupDrafter,
-    LookupDrafter,
-    ModelDrafter,
-    VFMDrafter,
-    speculative_decode,
-)
+from a2d.models.dflash_drafter import DFlashDrafter
+from a2d.models.proposals import HeadDrafter, HeadLookupDrafter, LookupDrafter, ModelDrafter, VFMDrafter
+from a2d.models.speculative import speculative_decode
 from a2d.models.student import Student, base_is, plain_view
 from a2d.models.vfm import vfm_generate
 

@@ -14,7 +14,8 @@ from a2d.models.ar import ar_decode
 from a2d.models.block_decode import Decoded, threshold_decode
 from a2d.models.canvas import Canvas
 from a2d.models.generate import generate_batch
-from a2d.models.speculative import Drafter, HeadDrafter, Proposal, VFMDrafter, speculative_decode
+from a2d.models.proposals import HeadDrafter, VFMDrafter
+from a2d.models.speculative import Drafter, Proposal, speculative_decode
 from a2d.models.student import lm_head, student_forward
 from a2d.models.views import BlockView, build_batch
 from tests.conftest import ARCHS, trained_like
@@ -136,7 +137,7 @@ def test_every_lossless_decoder_is_the_base_model(small_teachers, arch):
 
 
 def test_ngram_drafts_copy_what_followed_the_latest_longest_match():
-    from a2d.models.speculative import ngram_drafts
+    from a2d.models.proposals import ngram_drafts
 
     ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert ngram_drafts(ctx, 3, 2) == [7, 8]  # [2, 3] last seen before 7 (the 3-gram [5, 2, 3] never was)
@@ -474,7 +475,8 @@ def test_the_lean_canvas_is_the_library_canvas(family, extra):
     from a2d.models.attention import Scope
     from a2d.models.canvas import Canvas
     from a2d.models.lean_canvas import LeanCanvas, lean_canvas
-    from a2d.models.speculative import LookupDrafter, speculative_decode
+    from a2d.models.proposals import LookupDrafter
+    from a2d.models.speculative import speculative_decode
     from a2d.models.student import Student, StudentInfo
 
     model = _tiny_causal_lm(family, **extra)

@@ -13,6 +13,7 @@ from transformers import AutoConfig, Qwen3Config
 
 from a2d.models.canvas import Canvas
 from a2d.models.capture import capture_layers
+from a2d.models.dflash_drafter import DFlashDrafter
 from a2d.models.drafter import (
     DFlashDraftModel,
     DrafterConfig,
@@ -20,7 +21,7 @@ from a2d.models.drafter import (
     position_weights,
     spread_layers,
 )
-from a2d.models.speculative import DFlashDrafter, Drafter, Proposal, accept_path, speculative_decode
+from a2d.models.speculative import Drafter, Proposal, accept_path, speculative_decode
 from a2d.models.student import lm_head
 from a2d.specs import DrafterSpec
 from a2d.tasks.drafter import build_config

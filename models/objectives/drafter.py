@@ -5,7 +5,7 @@ A training block is exactly a decode step's: the block starting at position s is
 (B-1)]` at positions s..s+B-1, it sees the fused layer outputs of positions < s and itself, and block
 offset k predicts token s+k. Many random starts per response share one forward
 (`a2d.models.drafter.block_mask`). The frozen head restricted to the draft vocabulary is the decoding
-proposal's too (`a2d.models.speculative.DFlashDrafter`).
+proposal's too (`a2d.models.dflash_drafter.DFlashDrafter`).
 """
 
 from __future__ import annotations
