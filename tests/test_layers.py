@@ -1,6 +1,8 @@
-"""The package graph: a2d.* imports point down the layers, never up, and never in a cycle.
+"""The package graph: a2d.* imports point down the layers, never up, and never in a cycle; and the
+size limits a reader can hold (STYLE: files of at most 400 lines, functions of at most 80).
 
-specs -> models -> stores -> tasks -> flows -> deployments and the CLI (DESIGN §6). Lazy imports
+specs -> models -> stores -> tasks -> flows -> deployments and the CLI (DESIGN §6), with benchmarks/
+above them all (a benchmark may import any layer, no a2d module imports a benchmark). Lazy imports
 inside functions count: they are how cycles hide.
 """
 
@@ -110,6 +112,69 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node)):
             return cycle
     return None
+
+
+def benchmark_problems() -> list[str]:
+    """Benchmarks sit on top: they import a2d as installed (a2d.*) or each other (benchmarks.*),
+    never a folder by its checkout name, and no a2d module imports them."""
+    errors = []
+    for path in sorted(Path(ROOT, "benchmarks").rglob("*.py")):
+        for target, line in imports(path, set()):
+            if target.split(".")[0] in FOLDERS:
+                errors.append(f"{path.relative_to(ROOT)}:{line}: imports {target!r}; use a2d.{target}")
+    for module, path in all_modules().items():
+        for target, line in imports(path, set()):
+            if target.split(".")[0] == "benchmarks":
+                errors.append(f"{path.relative_to(ROOT)}:{line}: {module} imports a benchmark ({target})")
+    return errors
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+# Long by nature: an argument parser is one long list of options; a benchmark's main is its report.
+LONG_FUNCTIONS_ALLOWED = {("flows/cli.py", "build_parser")}
+
+
+def size_problems(root: str) -> list[str]:
+    """Source files over MAX_FILE_LINES lines and functions over MAX_FUNCTION_LINES (outside
+    benchmarks' mains and LONG_FUNCTIONS_ALLOWED); tests are not held to them."""
+    errors = []
+    for folder in (*FOLDERS, "benchmarks"):
+        for path in sorted(Path(root, folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            text = path.read_text()
+            if (n := len(text.splitlines())) > MAX_FILE_LINES:
+                errors.append(f"{rel}: {n} lines (at most {MAX_FILE_LINES}: split it by concern)")
+            for node in ast.walk(ast.parse(text, rel)):
+                if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                n = node.end_lineno - node.lineno + 1
+                exempt = (rel, node.name) in LONG_FUNCTIONS_ALLOWED or (
+                    rel.startswith("benchmarks/") and node.name == "main"
+                )
+                if n > MAX_FUNCTION_LINES and not exempt:
+                    errors.append(
+                        f"{rel}:{node.lineno}: {node.name} is {n} lines (at most {MAX_FUNCTION_LINES})"
+                    )
+    return errors
+
+
+def test_benchmarks_sit_on_top():
+    errors = benchmark_problems()
+    assert not errors, "\n".join(errors)
+
+
+def test_files_and_functions_stay_readable():
+    errors = size_problems(ROOT)
+    assert not errors, "\n".join(errors)
+
+
+def test_the_size_check_catches_a_long_file_and_a_long_function(tmp_path):
+    long_function = "def f():\n" + "    x = 1\n" * 85
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "long.py").write_text(long_function + "\n" * 320)
+    errors = size_problems(str(tmp_path))
+    assert any("models/long.py: " in e and "lines (at most 400" in e for e in errors), errors
+    assert any("models/long.py:1: f is 86 lines" in e for e in errors), errors
 
 
 def test_every_import_points_down():
