@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -43,6 +44,12 @@ def test_the_wheel_installs_only_the_a2d_namespace(tmp_path):
     assert tops == {"a2d", "a2d-lm-eval.pth"}
     for folder in FOLDERS:
         assert f"a2d/{folder}/__init__.py" in names, folder
+    # Subpackages too: setuptools installs only the packages it is told, and an editable install
+    # hides one left out (its finder maps whole folders).
+    for init in Path(ROOT).glob("*/**/__init__.py"):
+        rel = init.relative_to(ROOT).as_posix()
+        if rel.split("/")[0] in FOLDERS:
+            assert f"a2d/{rel}" in names, f"{rel} is not in the wheel: add its package to pyproject.toml"
     assert "a2d/deployments/prefect.yaml" in names and "a2d/flows/cli.py" in names
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "a2d = a2d.flows.cli:main" in entry
