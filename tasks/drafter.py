@@ -36,15 +36,16 @@ from a2d.stores.keys import KeyInputs
 from a2d.stores.readers import read_responses
 from a2d.tasks import teacher as teacher_stage
 from a2d.tasks.runtime import logger
+from a2d.tasks.students import DRAFTER_PROVENANCE, DRAFTER_SHARD
 from a2d.tasks.train import TrainJob
 from a2d.tasks.train import train as train_in_process
 from a2d.tasks.training import run_trainer, stage_job
 
 STAGE = "drafter"
-SHARD = "drafter"
+SHARD = DRAFTER_SHARD  # the layout the reader (tasks/students.py) reads
 # 2: config.json carries rope_theta at the top level beside rope_parameters (4.x readers)
 FORMAT_VERSION = 2
-PROVENANCE = "drafter_spec.json"
+PROVENANCE = DRAFTER_PROVENANCE
 
 
 def key_inputs(spec: DrafterSpec, teacher_key: str, responses_key: str, anchors_key: str) -> KeyInputs:

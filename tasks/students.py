@@ -21,6 +21,7 @@ from a2d.tasks import teacher as teacher_stage
 HEAD_SHARD = "adapter"  # the head artifact's one shard: PEFT adapter, extras, diffusion_spec.json
 VFM_SHARD = "noise_adapter"  # the vfm artifact's one shard
 DRAFTER_SHARD = "drafter"  # the drafter artifact's one shard: a DFlash checkpoint directory
+DRAFTER_PROVENANCE = "drafter_spec.json"  # beside it: the spec and the teacher key it was trained for
 FLOW_MAP_LORA = "flow_map_lora.safetensors"  # jointly tuned LoRA tensors, by parameter name
 
 
@@ -115,7 +116,7 @@ def load_drafter(
     """The DFlash drafter of a complete drafter artifact, refused when it was trained for another teacher."""
     with store.reading(ref):
         folder = store.local_copy(ref, DRAFTER_SHARD, cache_root())
-        provenance = json.loads((folder / "drafter_spec.json").read_text())
+        provenance = json.loads((folder / DRAFTER_PROVENANCE).read_text())
         if provenance["teacher_key"] != teacher.key:
             raise ValueError(
                 f"drafter {ref.key} was trained for teacher {provenance['teacher_key']}, not {teacher.key}: "
