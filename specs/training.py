@@ -161,7 +161,7 @@ class VFMSpec(Spec):
     tune_lora: bool = Field(
         True, description="Train the flow map's LoRA adapters jointly with q(z | prompt), as the paper does"
     )
-    lora_lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate of the LoRA adapters when tuned")
+    lora_lr: float = lr_field(1e-5, "Learning rate of the LoRA adapters when tuned")
 
 
 class DrafterSpec(Spec):
