@@ -24,6 +24,9 @@ os.environ.setdefault("A2D_CACHE", os.path.join(_HOME, "a2d-cache"))
 os.environ.setdefault("A2D_CPU_LINEAR", "packed")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker or more per core: one thread each
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (and for the processes a test starts)
+    if "torch" in sys.modules:  # imported before this file (by a plugin): it has read its count already
+        # the processes a test starts read the variable; this one must sum in their order too
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest  # noqa: E402
 

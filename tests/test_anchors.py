@@ -190,7 +190,6 @@ def test_sigkill_mid_anchors_then_rerun_matches_uninterrupted(tmp_path, anchored
     # group, so that whatever it starts dies with it (killpg below).
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "ph"), "PYTHONPATH": ROOT}
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
-    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # the clean run's sums, in the same order
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLER, *args, "--store", killed], env=env, cwd=ROOT, start_new_session=True
     )
