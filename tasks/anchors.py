@@ -31,6 +31,8 @@ def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key
     data = spec.model_dump(mode="json")
     if spec.dtype != "int8":
         data.pop("outlier_channels")
+    if spec.autocast == "none":
+        data.pop("autocast")  # the forward every anchors key before the option named
     data["load"] = load.model_dump(mode="json")  # NF4 and bf16 teachers give different anchors
     return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "teacher": teacher_key})
 
@@ -78,6 +80,7 @@ def capture_shard(
     pad_id: int,
     batch_size: int,
     progress: Any = None,
+    autocast: str = "none",
 ) -> Captured:
     """Teacher forward over prompt+response per sample; hooks copy each layer's selected tokens out."""
     device = next(model.parameters()).device
@@ -116,7 +119,7 @@ def capture_shard(
                 hidden[b_idx.to(hidden.device), t_idx.to(hidden.device)]
             )
 
-        with capture_layers(model, layers, on_layer):
+        with capture_layers(model, layers, on_layer), forward_autocast(device, autocast):
             out = base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         # Teacher confidence of each selected token p comes from the logits at p-1; the LM head runs
         # on those rows only instead of on every position of the batch.
@@ -130,6 +133,11 @@ def capture_shard(
         if progress is not None:
             progress(len(idx))
     return Captured(bits, offsets, positions, confidence, entropy)
+
+
+def forward_autocast(device: torch.device, mode: str) -> torch.autocast:
+    """bf16 autocast of the capture forward (`anchors.autocast: bf16`), or a no-op context."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=mode == "bf16")
 
 
 def teacher_attrs(store: ArtifactStore, teacher: ArtifactRef) -> dict[str, Any]:
@@ -175,6 +183,7 @@ def anchors_shard(
             tok.pad_token_id,
             opts.batch_size,
             advance,
+            spec.autocast,
         )
         bar.close()
     forward_seconds = timer.seconds
@@ -192,6 +201,7 @@ def anchors_shard(
         "dtype": spec.dtype,
         "tokens": spec.tokens,
         "load": teacher_spec.load.model_dump(mode="json"),
+        "autocast": spec.autocast,
     }
     name = f"{shard}.zarr"
     with store.shard_output(ref, name) as path:

@@ -63,6 +63,29 @@ def test_stored_states_equal_layer_outputs(tmp_path, arch, layers):
         torch.testing.assert_close(torch.from_numpy(cap.confidence[rows]), probs, atol=1e-5, rtol=1e-4)
 
 
+def test_bf16_autocast_capture_is_close_to_fp32_and_keyed_apart(tmp_path):
+    """anchors.autocast=bf16 runs the capture forward's matmuls in bf16: the states move (it is not a
+    no-op) by about bf16's rounding, the confidence stays a probability of the same tokens, and
+    the option is part of the anchors key."""
+    from a2d.specs import AnchorSpec, LoadSpec
+    from a2d.tasks.anchors import key_inputs
+
+    build_random_teacher("llama", 4, 64, 0, tmp_path / "t", "float32")
+    model, tok = load_teacher(tmp_path / "t", device="cpu")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (6, 11)]
+    responses = [rng.integers(0, 256, size=n).tolist() for n in (5, 8)]
+    args = (model, prompts, responses, [0, 3], "all", tok.pad_token_id, 2)
+    fp32, bf16 = capture_shard(*args), capture_shard(*args, autocast="bf16")
+    a, b = from_bf16_bits(fp32.bits).float(), from_bf16_bits(bf16.bits).float()
+    rel = ((b - a).norm(dim=-1) / a.norm(dim=-1)).max().item()
+    assert 1e-3 < rel < 5e-2, rel
+    assert np.nanmax(np.abs(bf16.confidence - fp32.confidence)) < 0.02
+    load = LoadSpec()
+    none, on = (key_inputs(AnchorSpec(autocast=m), load, "r", "t") for m in ("none", "bf16"))
+    assert on.key != none.key  # (tests/snapshots pin that the unset option keeps every older key)
+
+
 @pytest.fixture(scope="module")
 def anchored(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("anchors"))
