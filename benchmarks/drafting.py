@@ -46,9 +46,10 @@ def forced_by_set(drafter, teacher, seqs_by_set: dict, vocab) -> dict[str, dict]
     }
 
 
-def tau_vs_rows(store, refs, spec, seqs_by_set, teacher, rows_grid, steps) -> list[dict]:
+def tau_vs_rows(store, refs, spec, seqs_by_set, teacher, rows_grid, steps, precision="auto") -> list[dict]:
     """Drafters trained on fewer training responses (`rows_grid`, `steps` each), teacher-forced τ per
-    set; each is a throwaway training run in a temporary folder, as the stage trains (train_drafter)."""
+    set; each is a throwaway training run in a temporary folder, as the stage trains (train_drafter,
+    at the config's `train.mixed_precision`)."""
     import tempfile
 
     from a2d.models.drafter import DFlashDraftModel
@@ -60,7 +61,7 @@ def tau_vs_rows(store, refs, spec, seqs_by_set, teacher, rows_grid, steps) -> li
     for rows in rows_grid:
         with tempfile.TemporaryDirectory() as tmp:
             sub = spec.model_copy(update={"steps": steps})
-            train = TrainOptions(checkpoint_every=steps, keep_checkpoints=1)
+            train = TrainOptions(checkpoint_every=steps, keep_checkpoints=1, mixed_precision=precision)
             result = train_drafter(store, refs, sub, train, Path(tmp), "cpu", max_train_rows=rows)
             last = checkpoints.latest(Path(tmp) / "checkpoints")
             drafter = DFlashDraftModel.load(last / "adapter").eval()
@@ -183,7 +184,9 @@ def main() -> None:
     spec = DrafterSpec.model_validate(manifest["spec"])
     train_rows = marker["rows"]
     grid = [max(8, round(float(f) * train_rows)) for f in args.curve_rows.split(",") if f]
-    curve = tau_vs_rows(store, refs, spec, seqs_by_set, teacher, grid, args.curve_steps)
+    curve = tau_vs_rows(
+        store, refs, spec, seqs_by_set, teacher, grid, args.curve_steps, cfg.train.mixed_precision
+    )
     full = {"rows": train_rows, "steps": spec.steps, "train_seconds": marker["train_seconds"]}
     curve.append({**full, **{f"tau_{name}": f["tau"] for name, f in forced.items()}})
     recs = stats["spec:drafter"]["records"]
