@@ -9,7 +9,7 @@ One shard is a group `part-NNNNN.zarr`:
     offsets       (samples + 1,) int64                   token range of each sample
     sample_ids    (samples,) str
     positions     (tokens,) int32                        position of each token in prompt+response
-    confidence    (tokens,) float16                      teacher p(next actual token)
+    confidence    (tokens,) float16                      teacher p(next actual token); NaN at prompt tokens
     entropy       (tokens,) float16                      teacher predictive entropy (nats)
 
 Attributes name the teacher key, tokenizer hash, layer list, capture point and dtype, so a

@@ -23,7 +23,10 @@ from a2d.tasks.concurrency import gpu_slot
 from a2d.tasks.report import Progress
 
 STAGE = "anchors"
-FORMAT_VERSION = 2  # 2: each shard records the checksum of the responses shard it was captured from
+# 2: each shard records the checksum of the responses shard it was captured from
+# 3: teacher confidence and entropy at response positions only (prompt positions of `tokens: all`
+#    hold NaN): the LM head over the prompt positions was a sixth of the capture's time for nothing
+FORMAT_VERSION = 3
 
 
 def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> KeyInputs:
@@ -109,6 +112,7 @@ def capture_shard(
             mask[b, : len(s)] = 1
         b_idx = torch.cat([torch.full((len(sel[i]),), b, dtype=torch.long) for b, i in enumerate(idx)])
         t_idx = torch.cat([torch.from_numpy(sel[i]) for i in idx])
+        p_len = torch.cat([torch.full((len(sel[i]),), len(prompts[i]), dtype=torch.long) for i in idx])
         row0, row1 = int(offsets[idx[0]]), int(offsets[idx[-1] + 1])
 
         def on_layer(
@@ -121,9 +125,9 @@ def capture_shard(
 
         with capture_layers(model, layers, on_layer), forward_autocast(device, autocast):
             out = base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-        # Teacher confidence of each selected token p comes from the logits at p-1; the LM head runs
-        # on those rows only instead of on every position of the batch.
-        has_pred = t_idx > 0
+        # Teacher confidence of each selected response token p comes from the logits at p-1; the LM
+        # head runs on those rows only (prompt tokens are not the teacher's choices: NaN).
+        has_pred = (t_idx >= p_len) & (t_idx > 0)
         last = out.last_hidden_state[b_idx[has_pred].to(device), (t_idx[has_pred] - 1).to(device)]  # (n, H)
         targets = ids[b_idx[has_pred], t_idx[has_pred]].to(device)
         conf, ent = token_confidence(head(last), targets)

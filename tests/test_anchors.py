@@ -81,6 +81,11 @@ def test_bf16_autocast_capture_is_close_to_fp32_and_keyed_apart(tmp_path):
     rel = ((b - a).norm(dim=-1) / a.norm(dim=-1)).max().item()
     assert 1e-3 < rel < 5e-2, rel
     assert np.nanmax(np.abs(bf16.confidence - fp32.confidence)) < 0.02
+    # tokens: all stores prompt states too, but confidence only where the token is the teacher's
+    prompt_len = np.repeat([len(p) for p in prompts], np.diff(fp32.offsets))
+    at_prompt = fp32.positions < prompt_len
+    assert at_prompt.sum() == 17 and np.isnan(fp32.confidence[at_prompt]).all()
+    assert not np.isnan(fp32.confidence[~at_prompt]).any()
     load = LoadSpec()
     none, on = (key_inputs(AnchorSpec(autocast=m), load, "r", "t") for m in ("none", "bf16"))
     assert on.key != none.key  # (tests/snapshots pin that the unset option keeps every older key)
