@@ -10,7 +10,7 @@ One shard is a group `part-NNNNN.zarr`:
     sample_ids    (samples,) str
     positions     (tokens,) int32                        position of each token in prompt+response
     confidence    (tokens,) float16                      teacher p(next actual token); NaN at prompt tokens
-    entropy       (tokens,) float16                      teacher predictive entropy (nats)
+    entropy       (tokens,) float16                      teacher predictive entropy (nats); NaN at prompt tokens
 
 Attributes name the teacher key, tokenizer hash, layer list, capture point and dtype, so a
 consumer can refuse anchors that were made by another teacher or at another capture point.

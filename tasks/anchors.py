@@ -64,8 +64,8 @@ class Captured:
     bits: np.ndarray  # uint16 (T, L, H) bf16 bits
     offsets: np.ndarray  # int64 (S + 1,)
     positions: np.ndarray  # int32 (T,)
-    confidence: np.ndarray  # float32 (T,), NaN where no prediction exists (position 0)
-    entropy: np.ndarray  # float32 (T,)
+    confidence: np.ndarray  # float32 (T,), NaN at prompt tokens and where no prediction exists (position 0)
+    entropy: np.ndarray  # float32 (T,), NaN where confidence is
 
 
 def selected_positions(prompt_len: int, response_len: int, tokens: str) -> np.ndarray:
