@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from a2d.models.teacher import build_random_teacher, convert_smollm2, load_teacher
+from a2d.models.teacher import build_random_teacher, convert_smollm2, load_teacher, native_bf16
 from a2d.stores import bundled
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,12 +61,28 @@ def token_batches(tok: Any, samples: int, seq_len: int) -> list[list[int]]:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write_result(name: str, result: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {
         **result,
         "machine": {
             "cpu_threads": torch.get_num_threads(),
+            "cpu": cpu_model(),
+            # AVX2-only hosts emulate bf16 (5x slower than fp32) and pay more per fed token than AMX
+            # hosts: every speed ratio here is a property of this row as much as of the decoder
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": native_bf16(torch.device("cpu")),
             "python": platform.python_version(),
             "torch": torch.__version__,
         },

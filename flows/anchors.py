@@ -34,7 +34,7 @@ def anchors_flow(
     stage.check_layers(spec, stage.teacher_layer_count(st, teacher))
     return run_sharded(
         st,
-        stage.key_inputs(spec, teacher_spec.load, responses.key, teacher.key),
+        stage.key_inputs(spec, teacher_spec.load, responses.key, teacher.key, opts.device),
         lambda: list(st.manifest(responses)["shards"]),
         stage.anchors_shard,
         lambda ref, shard: dict(

@@ -59,7 +59,9 @@ STEPS: dict[str, Step] = {
         lambda c, r: responses_flow(r["prompts"], r["teacher"], c.responses, c.teacher, c.store, c.run),
     ),
     "anchors": Step(
-        lambda c, r: anchors.key_inputs(c.anchors, c.teacher.load, r["responses"].key, r["teacher"].key),
+        lambda c, r: anchors.key_inputs(
+            c.anchors, c.teacher.load, r["responses"].key, r["teacher"].key, c.run.device
+        ),
         lambda c, r: anchors_flow(r["responses"], r["teacher"], c.anchors, c.teacher, c.store, c.run),
     ),
     "drafter": Step(

@@ -202,10 +202,28 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` runs bf16 matmuls in hardware: a GPU with bf16, or a CPU with AMX or AVX512-BF16.
+
+    Elsewhere bf16 autocast is emulated: on a 2-core AMD EPYC without either (AVX2 only) a SmolLM2-135M
+    forward over 4x200 tokens took 16.9 s under bf16 autocast against 3.2 s in fp32 (5.3x slower),
+    where an AMX host ran it ~3x faster than fp32.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    return False
+
+
 def resolve_precision(mode: str, device: torch.device) -> str:
-    """Mixed precision for training: `auto` is bf16 autocast on a GPU that supports it, else none."""
+    """Mixed precision for training: `auto` is bf16 autocast on a GPU that supports it, else none;
+    `native` is bf16 wherever the hardware computes it (`native_bf16`: AMX CPUs too), else none."""
     if mode == "auto":
         return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+    if mode == "native":
+        return "bf16" if native_bf16(device) else "no"
     return mode
 
 

@@ -35,8 +35,12 @@ class TrainOptions(Spec):
     distributed: Literal["ddp"] = Field(
         "ddp", description="Multi-process strategy (gradient mean over ranks)"
     )
-    mixed_precision: Literal["auto", "bf16", "no"] = Field(
-        "auto", description="bf16 autocast of forward passes; auto = on GPUs that support bf16, off on CPU"
+    mixed_precision: Literal["auto", "native", "bf16", "no"] = Field(
+        "auto",
+        description=(
+            "bf16 autocast of forward passes; auto = on GPUs that support bf16, off on CPU; "
+            "native = wherever bf16 runs in hardware (GPU, CPU with AMX or AVX512-BF16), off elsewhere"
+        ),
     )
     log_every: int = Field(5, ge=1, description="Steps between log lines")
     wandb_project: str | None = Field(

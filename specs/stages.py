@@ -231,12 +231,13 @@ class AnchorSpec(Spec):
         "all",
         description="Store every token (the drafter's context needs the prompt's), or response tokens only",
     )
-    autocast: Literal["none", "bf16"] = Field(
+    autocast: Literal["none", "bf16", "native"] = Field(
         "none",
         description=(
             "bf16: the capture forward's matmuls under bf16 autocast (a CPU with AMX: ~3x faster, "
-            "states ~0.5 % from fp32, the size of the int8 rounding; slower on a CPU without bf16 "
-            "units); the responses stay the fp32 teacher's"
+            "states ~0.5 % from fp32, the size of the int8 rounding; 5x slower on an AVX2-only CPU); "
+            "native: bf16 where the device computes it in hardware, none elsewhere (the key holds "
+            "the one that ran); the responses stay the fp32 teacher's"
         ),
     )
 

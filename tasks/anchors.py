@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from a2d.models.capture import capture_layers, resolve_layers, token_confidence
 from a2d.models.quant import bf16_bits, from_bf16_bits, quantize_int8
-from a2d.models.teacher import decoder_layers
+from a2d.models.teacher import decoder_layers, native_bf16, resolve_device
 from a2d.specs import AnchorSpec, LoadSpec, RunOptions, TeacherSpec
 from a2d.stores import anchors as anchor_store
 from a2d.stores.artifacts import ArtifactRef, ArtifactStore, Timer, hash_local_tree
@@ -29,12 +29,23 @@ STAGE = "anchors"
 FORMAT_VERSION = 3
 
 
-def key_inputs(spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str) -> KeyInputs:
-    """The anchors key: what is captured and stored, and how the teacher is loaded for the forward."""
+def capture_autocast(spec: AnchorSpec, device: str) -> str:
+    """The capture forward's precision on `device` ("none" or "bf16"): `native` resolved here."""
+    if spec.autocast != "native":
+        return spec.autocast
+    return "bf16" if native_bf16(resolve_device(device)) else "none"
+
+
+def key_inputs(
+    spec: AnchorSpec, load: LoadSpec, responses_key: str, teacher_key: str, device: str = "auto"
+) -> KeyInputs:
+    """The anchors key: what is captured and stored, and how the teacher is loaded for the forward
+    (`autocast: native` keys as the precision it resolves to on `device`: the bytes differ)."""
     data = spec.model_dump(mode="json")
     if spec.dtype != "int8":
         data.pop("outlier_channels")
-    if spec.autocast == "none":
+    data["autocast"] = capture_autocast(spec, device)
+    if data["autocast"] == "none":
         data.pop("autocast")  # the forward every anchors key before the option named
     data["load"] = load.model_dump(mode="json")  # NF4 and bf16 teachers give different anchors
     return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "teacher": teacher_key})
@@ -187,7 +198,7 @@ def anchors_shard(
             tok.pad_token_id,
             opts.batch_size,
             advance,
-            spec.autocast,
+            capture_autocast(spec, opts.device),
         )
         bar.close()
     forward_seconds = timer.seconds
@@ -205,7 +216,7 @@ def anchors_shard(
         "dtype": spec.dtype,
         "tokens": spec.tokens,
         "load": teacher_spec.load.model_dump(mode="json"),
-        "autocast": spec.autocast,
+        "autocast": capture_autocast(spec, opts.device),
     }
     name = f"{shard}.zarr"
     with store.shard_output(ref, name) as path:

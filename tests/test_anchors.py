@@ -91,6 +91,26 @@ def test_bf16_autocast_capture_is_close_to_fp32_and_keyed_apart(tmp_path):
     assert on.key != none.key  # (tests/snapshots pin that the unset option keeps every older key)
 
 
+@pytest.mark.parametrize(
+    "amx, avx512_bf16, runs", [(True, False, "bf16"), (False, True, "bf16"), (False, False, "none")]
+)
+def test_native_autocast_runs_bf16_only_where_the_cpu_computes_it(monkeypatch, amx, avx512_bf16, runs):
+    """`native` is bf16 on a CPU with AMX or AVX512-BF16 and fp32 elsewhere (emulated bf16 ran 5x
+    slower than fp32 on an AVX2 host); the anchors key is the key of the precision that ran."""
+    from a2d.models.teacher import resolve_precision
+    from a2d.specs import AnchorSpec, LoadSpec
+    from a2d.tasks.anchors import capture_autocast, key_inputs
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    native = AnchorSpec(autocast="native")
+    assert capture_autocast(native, "cpu") == runs
+    load = LoadSpec()
+    ran = key_inputs(AnchorSpec(autocast=runs), load, "r", "t")
+    assert key_inputs(native, load, "r", "t", "cpu").key == ran.key
+    assert resolve_precision("native", torch.device("cpu")) == {"bf16": "bf16", "none": "no"}[runs]
+
+
 @pytest.fixture(scope="module")
 def anchored(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("anchors"))
