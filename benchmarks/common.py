@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,10 @@ def cpu_model() -> str:
 
 
 def write_result(name: str, result: dict[str, Any]) -> Path:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or ".." in name:
+        raise ValueError(
+            f"result name {name!r}: use letters, digits, '_', '-' or '.' (it names results/NAME.json)"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {
         **result,

@@ -189,6 +189,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--store", default=None)
+    ap.add_argument(
+        "--name", default="decode", help="results/NAME.json (another host's run beside the committed one)"
+    )
     ap.add_argument("--per-set", type=int, default=6, help="held-out prompts per prompt set (0 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--pair-rounds", type=int, default=2, help="paired AR vs generate decodes per prompt")
@@ -274,7 +277,7 @@ def main() -> None:
         per_set[name] = set_figures(stats, list(range(first, first + len(group))), lossless, default)
         first += len(group)
     write_result(
-        "decode",
+        args.name,
         {
             "config": Path(args.config).name,
             "head_key": refs["head"].key,

@@ -83,6 +83,9 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--store", default=None)
     ap.add_argument(
+        "--name", default="drafting", help="results/NAME.json (another host's run beside the committed one)"
+    )
+    ap.add_argument(
         "--per-set", type=int, default=6, help="held-out prompts decoded per prompt set (0 = all)"
     )
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -199,7 +202,7 @@ def main() -> None:
                 reached[k] += 1
                 held_at[k] += a > k
     write_result(
-        "drafting",
+        args.name,
         {
             "config": Path(args.config).name,
             "drafter_key": refs["drafter"].key,
