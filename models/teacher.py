@@ -221,7 +221,7 @@ def resolve_precision(mode: str, device: torch.device) -> str:
     """Mixed precision for training: `auto` is bf16 autocast on a GPU that supports it, else none;
     `native` is bf16 wherever the hardware computes it (`native_bf16`: AMX CPUs too), else none."""
     if mode == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+        return "bf16" if device.type == "cuda" and native_bf16(device) else "no"
     if mode == "native":
         return "bf16" if native_bf16(device) else "no"
     return mode

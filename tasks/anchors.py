@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from a2d.models.capture import capture_layers, resolve_layers, token_confidence
 from a2d.models.quant import bf16_bits, from_bf16_bits, quantize_int8
+from a2d.models.teacher import autocast as autocast_context
 from a2d.models.teacher import decoder_layers, native_bf16, resolve_device
 from a2d.specs import AnchorSpec, LoadSpec, RunOptions, TeacherSpec
 from a2d.stores import anchors as anchor_store
@@ -134,7 +135,7 @@ def capture_shard(
                 hidden[b_idx.to(hidden.device), t_idx.to(hidden.device)]
             )
 
-        with capture_layers(model, layers, on_layer), forward_autocast(device, autocast):
+        with capture_layers(model, layers, on_layer), autocast_context(device, autocast):
             out = base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         # Teacher confidence of each selected response token p comes from the logits at p-1; the LM
         # head runs on those rows only (prompt tokens are not the teacher's choices: NaN).
@@ -148,11 +149,6 @@ def capture_shard(
         if progress is not None:
             progress(len(idx))
     return Captured(bits, offsets, positions, confidence, entropy)
-
-
-def forward_autocast(device: torch.device, mode: str) -> torch.autocast:
-    """bf16 autocast of the capture forward (`anchors.autocast: bf16`), or a no-op context."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=mode == "bf16")
 
 
 def teacher_attrs(store: ArtifactStore, teacher: ArtifactRef) -> dict[str, Any]:
@@ -179,6 +175,7 @@ def anchors_shard(
     store = ArtifactStore(store_uri)
     timer = Timer()
     rows = read_shard(store.loc(responses), f"{shard}.parquet").to_pylist()
+    precision = capture_autocast(spec, opts.device)
     with gpu_slot():  # held from model load to the end of the captures
         model, tok = teacher_stage.load(store, teacher, teacher_spec, teacher_spec.load, opts.device)
         layers = resolve_layers(spec.layers, len(decoder_layers(model)))
@@ -198,7 +195,7 @@ def anchors_shard(
             tok.pad_token_id,
             opts.batch_size,
             advance,
-            capture_autocast(spec, opts.device),
+            precision,
         )
         bar.close()
     forward_seconds = timer.seconds
@@ -216,7 +213,7 @@ def anchors_shard(
         "dtype": spec.dtype,
         "tokens": spec.tokens,
         "load": teacher_spec.load.model_dump(mode="json"),
-        "autocast": capture_autocast(spec, opts.device),
+        "autocast": precision,
     }
     name = f"{shard}.zarr"
     with store.shard_output(ref, name) as path:
