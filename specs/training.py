@@ -191,6 +191,13 @@ class DrafterSpec(Spec):
     blocks_per_sample: int = Field(
         16, ge=1, le=1024, description="Random block starts per response per step (each sees only its prefix)"
     )
+    distill: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Weight of the teacher's own next-token distribution (its top tokens, from the anchors' "
+        "last layer) in each offset's CE, the rest on the greedy token; 0 = the greedy token alone",
+    )
     vocab: Literal["full", "train"] = Field(
         "full",
         description="Draft softmax over the whole vocabulary, or only tokens of the training prompts and "

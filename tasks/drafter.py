@@ -41,6 +41,9 @@ from a2d.tasks.train import TrainJob
 from a2d.tasks.train import train as train_in_process
 from a2d.tasks.training import run_trainer, stage_job
 
+SOFT_TOP_K = (
+    16  # the teacher's top tokens kept per position for drafter.distill (demo: 95 % of the mass in 8)
+)
 STAGE = "drafter"
 SHARD = DRAFTER_SHARD  # the layout the reader (tasks/students.py) reads
 # 2: config.json carries rope_theta at the top level beside rope_parameters (4.x readers)
@@ -50,10 +53,13 @@ PROVENANCE = DRAFTER_PROVENANCE
 
 def key_inputs(spec: DrafterSpec, teacher_key: str, responses_key: str, anchors_key: str) -> KeyInputs:
     """The drafter key: its spec and the teacher, responses and anchors it is trained from."""
+    data = spec.model_dump(mode="json")
+    if not spec.distill:
+        data.pop("distill")  # the objective every drafter key before the option named
     return KeyInputs(
         STAGE,
         FORMAT_VERSION,
-        spec.model_dump(mode="json"),
+        data,
         {"teacher": teacher_key, "responses": responses_key, "anchors": anchors_key},
     )
 
@@ -126,6 +132,29 @@ def load_sequences(
     return out
 
 
+def add_soft_targets(
+    reader: AnchorReader, seqs: list[Sequence], model, frozen_head: torch.Tensor, k: int = SOFT_TOP_K
+) -> None:
+    """Each training sequence's soft targets: the teacher's own next-token distribution after every
+    response position, recomputed from the anchors' last layer (final norm, then the draft head's
+    rows), kept as its top `k` renormalised. Its argmax matched the stored greedy token at 99 % of
+    the demo's positions (int8 anchors); the rest is the distribution the greedy token came from."""
+    last = model.config.get_text_config().num_hidden_layers - 1
+    if last not in reader.layers:
+        raise ValueError(
+            f"drafter.distill reads the teacher's last layer ({last}) from the anchors, which hold "
+            f"{reader.layers}; add {last} to anchors.layers or set drafter.distill: 0"
+        )
+    norm = model.get_decoder().norm
+    feats = reader.samples([s.sample_id for s in seqs], [last])
+    with torch.no_grad():
+        for s, f in zip(seqs, feats, strict=True):
+            logits = norm(f[:, 0].float()) @ frozen_head.float().T  # (T, V')
+            top = logits.topk(min(k, logits.shape[1]), -1)
+            s.soft_rows = top.indices
+            s.soft_p = top.values.softmax(-1)  # renormalised over the k: the rest is the tail's mass
+
+
 def build_config(spec: DrafterSpec, text_config, layers: list[int], mask_id: int) -> DrafterConfig:
     heads = text_config.num_attention_heads
     rope = getattr(text_config, "rope_parameters", None) or {}
@@ -176,6 +205,8 @@ def objective(store: ArtifactStore, job: TrainJob, device: torch.device, precisi
         raise ValueError("no training responses with 2 or more tokens: raise responses.max_new_tokens")
     vocab = train_vocab(train_rows, eos_ids(model, tok)) if spec.vocab == "train" else None
     frozen = frozen_parts(model, vocab, dev)
+    if spec.distill:
+        add_soft_targets(reader, seqs, model, frozen.head.cpu())  # on the CPU, as the features
     mask_id = pick_mask_token(tok, frozen.embed.shape[0])
     del model
     drafter = DFlashDraftModel(build_config(spec, text, layers, mask_id))

@@ -81,7 +81,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 
     def train_step() -> None:
-        loss, _ = drafter_loss(drafter, frozen, (feats, ctx_len, starts, ids, targets), weights)
+        loss, _ = drafter_loss(drafter, frozen, (feats, ctx_len, starts, ids, targets, None, None), weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

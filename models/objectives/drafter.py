@@ -35,6 +35,8 @@ class Sequence:
     tokens: torch.Tensor  # (T,) long
     prompt_len: int
     features: torch.Tensor  # (T, K*H), stored dtype
+    soft_rows: torch.Tensor | None = None  # (T, k) head rows of the teacher's top tokens after position t
+    soft_p: torch.Tensor | None = None  # (T, k) their probabilities, renormalised over the k
 
     @property
     def starts(self) -> np.ndarray:
@@ -84,8 +86,13 @@ def train_vocab(rows: list[dict], eos: list[int]) -> torch.Tensor:
 
 
 def make_batch(seqs: list[Sequence], spec: Any, rng: np.random.Generator, mask_id: int, device: str):
-    """Features (b, W, K*H), context lengths, starts (b, M), block ids (b, M, B) and targets (b, M, B-1)."""
+    """Features (b, W, K*H), context lengths, starts (b, M), block ids (b, M, B), targets (b, M, B-1)
+    and, with soft targets, the teacher's top head rows and probabilities (b, M, B-1, k) (else None)."""
     b, m, block = len(seqs), spec.blocks_per_sample, spec.block_size
+    soft = seqs[0].soft_rows is not None
+    k = seqs[0].soft_rows.shape[1] if soft else 0
+    soft_rows = torch.zeros((b, m, block - 1, k), dtype=torch.long)
+    soft_p = torch.zeros((b, m, block - 1, k), dtype=torch.float32)
     width = max(len(s.tokens) for s in seqs)
     feats = torch.zeros((b, width, seqs[0].features.shape[1]), dtype=seqs[0].features.dtype)
     ctx_len = torch.tensor([len(s.tokens) for s in seqs])
@@ -101,7 +108,11 @@ def make_batch(seqs: list[Sequence], spec: Any, rng: np.random.Generator, mask_i
             ids[i, j, 0] = s.tokens[st]
             tail = s.tokens[st + 1 : st + block]
             targets[i, j, : len(tail)] = tail
-    return feats.to(device), ctx_len.to(device), starts.to(device), ids.to(device), targets.to(device)
+            if soft:  # offset d predicts token st + d: the teacher's distribution at st + d - 1
+                soft_rows[i, j, : len(tail)] = s.soft_rows[st : st + len(tail)]
+                soft_p[i, j, : len(tail)] = s.soft_p[st : st + len(tail)]
+    out = feats.to(device), ctx_len.to(device), starts.to(device), ids.to(device), targets.to(device)
+    return (*out, soft_rows.to(device), soft_p.to(device)) if soft else (*out, None, None)
 
 
 def block_states(drafter: DFlashDraftModel, frozen: Frozen, feats, ctx_len, starts, ids) -> torch.Tensor:
@@ -124,17 +135,29 @@ def head_targets(frozen: Frozen, targets: torch.Tensor) -> torch.Tensor:
 
 
 def drafter_loss(
-    drafter, frozen: Frozen, batch, weights: torch.Tensor, norm: torch.Tensor | None = None
+    drafter,
+    frozen: Frozen,
+    batch,
+    weights: torch.Tensor,
+    norm: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted CE, per-offset top-1 accuracy (B-1,)) of one batch; with `norm`, the weighted CE
-    sum is divided by it (the whole step's weight when the batch is one process's share)."""
-    feats, ctx_len, starts, ids, targets = batch
+    sum is divided by it (the whole step's weight when the batch is one process's share). With
+    `distill`, each offset's CE is (1 - distill) on the greedy token + distill on the teacher's
+    top-k distribution there (the batch's soft targets)."""
+    feats, ctx_len, starts, ids, targets, soft_rows, soft_p = batch
     states = block_states(drafter, frozen, feats, ctx_len, starts, ids)  # (b, M, B-1, H)
     logits = (states @ frozen.head.T.to(states.dtype)).float()  # (b, M, B-1, V')
     tgt = head_targets(frozen, targets)
     ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none").view(
         tgt.shape
     )
+    if distill:
+        if soft_rows is None:
+            raise ValueError("drafter.distill needs the teacher's soft targets in the batch")
+        soft_ce = -(soft_p * logits.log_softmax(-1).gather(-1, soft_rows)).sum(-1)  # (b, M, B-1)
+        ce = (1.0 - distill) * ce + distill * soft_ce
     valid = (tgt >= 0).float()
     w = weights.to(ce.device)[None, None] * valid
     loss = (ce * w).sum() / (w.sum().clamp_min(1e-8) if norm is None else norm)
@@ -259,9 +282,9 @@ class DrafterObjective(Objective):
             valid = (head_targets(self.frozen, batch[4]) >= 0).float()
             norm = (self.weights.to(valid.device)[None, None] * valid).sum().clamp_min(1e-8)
             share = slice(rank * len(picked) // world, (rank + 1) * len(picked) // world)
-            batch = tuple(t[share] for t in batch)
+            batch = tuple(None if t is None else t[share] for t in batch)
         with autocast(torch.device(self.device), self.precision):
-            loss, acc = drafter_loss(self.drafter, self.frozen, batch, self.weights, norm)
+            loss, acc = drafter_loss(self.drafter, self.frozen, batch, self.weights, norm, self.spec.distill)
         if world > 1:
             loss = loss * world  # averaged over the processes: the sum of their shares
         loss.backward()
