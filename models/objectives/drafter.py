@@ -150,14 +150,16 @@ def drafter_loss(
     states = block_states(drafter, frozen, feats, ctx_len, starts, ids)  # (b, M, B-1, H)
     logits = (states @ frozen.head.T.to(states.dtype)).float()  # (b, M, B-1, V')
     tgt = head_targets(frozen, targets)
-    ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none").view(
-        tgt.shape
-    )
-    if distill:
+    if not distill:
+        ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none")
+        ce = ce.view(tgt.shape)
+    else:
         if soft_rows is None:
             raise ValueError("drafter.distill needs the teacher's soft targets in the batch")
-        soft_ce = -(soft_p * logits.log_softmax(-1).gather(-1, soft_rows)).sum(-1)  # (b, M, B-1)
-        ce = (1.0 - distill) * ce + distill * soft_ce
+        logp = logits.log_softmax(-1)  # once for both terms
+        hard = -logp.gather(-1, tgt.clamp_min(0)[..., None])[..., 0] * (tgt >= 0)
+        soft = -(soft_p * logp.gather(-1, soft_rows)).sum(-1)  # (b, M, B-1)
+        ce = (1.0 - distill) * hard + distill * soft
     valid = (tgt >= 0).float()
     w = weights.to(ce.device)[None, None] * valid
     loss = (ce * w).sum() / (w.sum().clamp_min(1e-8) if norm is None else norm)
