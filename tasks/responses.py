@@ -76,11 +76,16 @@ def responses_shard(
                 for r in rows
             ]
         else:
-            generated = []
+            generated: list = [None] * len(rows)
             progress = Progress(len(rows), f"responses {shard}", every=opts.batch_size)
             bar = tqdm(total=len(rows), desc=f"responses {shard}", disable=not opts.progress, leave=False)
-            for start in range(0, len(rows), opts.batch_size):
-                batch = rows[start : start + opts.batch_size]
+            # Batches of similar prompt lengths: the prefill pads each batch to its longest prompt
+            # (on the demo's shards 1.37x the real prompt tokens in row order, 1.21x sorted). A
+            # sample's response does not depend on its batch; rows keep their order in the shard.
+            order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]))
+            for start in range(0, len(order), opts.batch_size):
+                index = order[start : start + opts.batch_size]
+                batch = [rows[i] for i in index]
                 g = generate_batch(
                     model,
                     [r["prompt_ids"] for r in batch],
@@ -93,7 +98,8 @@ def responses_shard(
                     seeds=[sample_seed(spec.seed, r["sample_id"]) for r in batch],
                 )
                 forwards += g.forwards
-                generated.extend(zip(g.response_ids, g.finish_reason, strict=True))
+                for i, item in zip(index, zip(g.response_ids, g.finish_reason, strict=True), strict=True):
+                    generated[i] = item
                 bar.update(len(batch))
                 progress.advance(len(batch))
             bar.close()
