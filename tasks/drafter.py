@@ -41,9 +41,8 @@ from a2d.tasks.train import TrainJob
 from a2d.tasks.train import train as train_in_process
 from a2d.tasks.training import run_trainer, stage_job
 
-SOFT_TOP_K = (
-    16  # the teacher's top tokens kept per position for drafter.distill (demo: 95 % of the mass in 8)
-)
+# the teacher's top tokens kept per position for drafter.distill (the demo's: 95 % of the mass in 8)
+SOFT_TOP_K = 16
 STAGE = "drafter"
 SHARD = DRAFTER_SHARD  # the layout the reader (tasks/students.py) reads
 # 2: config.json carries rope_theta at the top level beside rope_parameters (4.x readers)
@@ -93,6 +92,11 @@ def check_config(spec: DrafterSpec, anchors: AnchorSpec, num_layers: int) -> lis
         raise ValueError(
             f"drafter.target_layers {layers} are not all in anchors.layers (missing {missing}); "
             "add them to anchors.layers or change drafter.target_layers"
+        )
+    if spec.distill and num_layers - 1 not in stored:
+        raise ValueError(
+            f"drafter.distill reads the teacher's last layer ({num_layers - 1}) from the anchors, which "
+            f"will hold {stored}; add {num_layers - 1} to anchors.layers or set drafter.distill: 0"
         )
     return layers
 

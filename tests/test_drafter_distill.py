@@ -80,6 +80,21 @@ def test_a_one_hot_soft_target_on_the_greedy_token_is_the_hard_loss(small_teache
     assert abs(drafter_loss(drafter, frozen, batch, weights, distill=1.0)[0].item() - hard.item()) > 1e-2
 
 
+def test_distill_without_the_last_layer_in_the_anchors_is_refused_before_any_stage_runs():
+    from a2d.specs import AnchorSpec
+    from a2d.tasks.drafter import check_config
+
+    anchors = AnchorSpec(layers=[0, 1, 2], tokens="all")
+    assert check_config(
+        DrafterSpec(target_layers=(0, 1), distill=0.5), AnchorSpec(layers="all", tokens="all"), 3
+    )
+    with pytest.raises(
+        ValueError, match=r"last layer \(3\).*add 3 to anchors.layers or set drafter.distill: 0"
+    ):
+        check_config(DrafterSpec(target_layers=(0, 1), distill=0.5), anchors, 4)
+    assert check_config(DrafterSpec(target_layers=(0, 1)), anchors, 4) == [0, 1]  # no distill: no last layer
+
+
 def test_distill_off_keeps_every_older_drafter_key():
     """Keys written before the option existed (a spec without `distill`) still name their drafter."""
     up = {"teacher": "t" * 16, "responses": "r" * 16, "anchors": "a" * 16}
