@@ -93,12 +93,19 @@ def check_config(spec: DrafterSpec, anchors: AnchorSpec, num_layers: int) -> lis
             f"drafter.target_layers {layers} are not all in anchors.layers (missing {missing}); "
             "add them to anchors.layers or change drafter.target_layers"
         )
-    if spec.distill and num_layers - 1 not in stored:
-        raise ValueError(
-            f"drafter.distill reads the teacher's last layer ({num_layers - 1}) from the anchors, which "
-            f"will hold {stored}; add {num_layers - 1} to anchors.layers or set drafter.distill: 0"
-        )
+    if spec.distill:
+        require_last_layer(num_layers - 1, stored)
     return layers
+
+
+def require_last_layer(last: int, held: list[int]) -> None:
+    """drafter.distill's soft targets come from the teacher's last layer: the anchors must hold it
+    (checked on the config before any stage runs, and on the artifact the stage reads)."""
+    if last not in held:
+        raise ValueError(
+            f"drafter.distill reads the teacher's last layer ({last}) from the anchors, which hold "
+            f"{list(held)}; add {last} to anchors.layers or set drafter.distill: 0"
+        )
 
 
 def check_anchors(reader: AnchorReader, teacher: ArtifactRef, layers: list[int]) -> None:
@@ -140,20 +147,17 @@ def add_soft_targets(
     reader: AnchorReader, seqs: list[Sequence], model, frozen_head: torch.Tensor, k: int = SOFT_TOP_K
 ) -> None:
     """Each training sequence's soft targets: the teacher's own next-token distribution after every
-    response position, recomputed from the anchors' last layer (final norm, then the draft head's
-    rows), kept as its top `k` renormalised. Its argmax matched the stored greedy token at 99 % of
-    the demo's positions (int8 anchors); the rest is the distribution the greedy token came from."""
+    position (only the response's are ever a block target), recomputed from the anchors' last layer
+    (final norm, then the draft head's rows), kept as its top `k` renormalised. Its argmax matched
+    the stored greedy token at 99 % of the demo's response positions (int8 anchors)."""
     last = model.config.get_text_config().num_hidden_layers - 1
-    if last not in reader.layers:
-        raise ValueError(
-            f"drafter.distill reads the teacher's last layer ({last}) from the anchors, which hold "
-            f"{reader.layers}; add {last} to anchors.layers or set drafter.distill: 0"
-        )
+    require_last_layer(last, reader.layers)
     norm = model.get_decoder().norm
+    head_t = frozen_head.float().T  # (H, V'), cast once for every sequence
     feats = reader.samples([s.sample_id for s in seqs], [last])
     with torch.no_grad():
         for s, f in zip(seqs, feats, strict=True):
-            logits = norm(f[:, 0].float()) @ frozen_head.float().T  # (T, V')
+            logits = norm(f[:, 0].float()) @ head_t  # (T, V')
             top = logits.topk(min(k, logits.shape[1]), -1)
             s.soft_rows = top.indices
             s.soft_p = top.values.softmax(-1)  # renormalised over the k: the rest is the tail's mass
