@@ -22,9 +22,9 @@ fi
 # (measured on a fresh clone, 2 cores). uv does not look on this disk for torch, but torch is already
 # installed and satisfies every requirement, so uv keeps it. Without uv (A2D_NO_UV=1), pip does it all.
 # --compile-bytecode: uv, unlike pip, writes no .pyc, and where PYTHONDONTWRITEBYTECODE is set (as in
-# this image's environment) Python never writes them either, so every process (a training stage, a served run, a
-# CLI call) compiled transformers, prefect and peft from source again: 19.5 s to import a training
-# process against 12.1 s with bytecode (2026-12-07, 2 cores).
+# this image's environment) Python never writes them either, so every process (a training stage, a
+# served run, a CLI call) compiled transformers, prefect and peft from source again: 19.5 s to import
+# a training process against 12.1 s with bytecode (2026-12-07, 2 cores).
 if [ -z "${A2D_NO_UV:-}" ] && "$VENV/bin/python" -m pip install -q uv; then
   "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -e ".[dev,smollm2,s3,eval]"
 else
