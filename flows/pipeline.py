@@ -56,7 +56,9 @@ STEPS: dict[str, Step] = {
     ),
     "responses": Step(
         lambda c, r: responses.key_inputs(c.responses, c.teacher.load, r["prompts"].key, r["teacher"].key),
-        lambda c, r: responses_flow(r["prompts"], r["teacher"], c.responses, c.teacher, c.store, c.run),
+        lambda c, r: responses_flow(
+            r["prompts"], r["teacher"], c.responses, c.teacher, c.store, c.run, c.anchors
+        ),  # `anchors.source: generation` captures the anchors as it generates
     ),
     "anchors": Step(
         lambda c, r: anchors.key_inputs(

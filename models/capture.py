@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -34,29 +33,23 @@ def resolve_layers(spec: Sequence[int] | str, num_layers: int) -> list[int]:
     return out
 
 
-_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def _model_lock(model: torch.nn.Module) -> threading.Lock:
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(model, threading.Lock())
-
-
 @contextlib.contextmanager
 def capture_layers(model: torch.nn.Module, layers: Sequence[int], on_layer: OnLayer) -> Iterator[None]:
-    """Call `on_layer(i, hidden)` with decoder layer i's output during every forward in the block.
+    """Call `on_layer(i, hidden)` with decoder layer i's output during every forward this thread
+    runs in the block.
 
-    Hooks live on the (shared) model, so two threads capturing at once would each see the
-    other's forwards; the block holds a per-model lock for its whole duration.
+    Hooks live on the (shared) model, and shards run in threads of one process on one model (the
+    responses stage generates two at once): each hook hands on only the forwards of the thread that
+    opened the block, so two threads capture side by side, each seeing its own forwards alone.
     """
     stack = decoder_layers(model)
+    owner = threading.get_ident()
     handles = []
-    lock = _model_lock(model)
-    lock.acquire()
 
     def make_hook(index: int):
         def hook(_module: torch.nn.Module, _inputs: tuple, output: torch.Tensor | tuple) -> None:
+            if threading.get_ident() != owner:
+                return
             hidden = output[0] if isinstance(output, tuple) else output
             on_layer(index, hidden)
 
@@ -69,7 +62,6 @@ def capture_layers(model: torch.nn.Module, layers: Sequence[int], on_layer: OnLa
     finally:
         for h in handles:
             h.remove()
-        lock.release()
 
 
 def token_confidence(

@@ -3,9 +3,14 @@
 Sampling never touches torch's global RNG: responses shards generate concurrently in threads of one
 process, so a global seed would make a sample depend on thread timing. Each sample draws from its own
 generator (seeded per sample by the caller), via the Gumbel-max trick over the temperature/top-p
-scores: the argmax of scores + Gumbel noise is an exact sample from their softmax, so HF's greedy
+scores: the argmax of scores + Gumbel noise is an exact sample from their softmax, so one greedy
 loop (KV cache, EOS handling) does the sampling, and a sample is the same whichever batch, shard
 or thread it is generated in.
+
+The loop is a2d's own, not transformers' `generate`: it numbers positions and pads as `generate`
+does (the same tokens), and it can keep the selected layers' outputs at every token it feeds, so
+the anchors of a response come out of the forwards that generated it (`capture`), not a second
+forward over prompt + response.
 """
 
 from __future__ import annotations
@@ -23,6 +28,25 @@ class Generated:
     response_ids: list[list[int]]  # per sample, EOS included when generation stopped on it
     finish_reason: list[str]  # "eos" or "length"
     forwards: int  # decoder forward passes used for the batch
+    states: GeneratedStates | None = None  # what `capture` asked for, when it asked
+
+
+@dataclass
+class GeneratedStates:
+    """The selected layers' outputs at every token a batch's generation fed, as bf16.
+
+    Sample b's prompt is `prefill[:, b, width - len(prompt):]` (left padding) and its response
+    token j is `steps[:, b, j]`: the forward that fed token j. The last forward feeds the last
+    tokens chosen, so every response token has its state, as a forward over prompt + response
+    gives it. `confidence`/`entropy[b, j]` are the teacher's probability of response token j and
+    the entropy of the distribution it was chosen from (the raw logits, before any sampler)."""
+
+    layers: list[int]
+    width: int  # W, the left-padded prompt width
+    prefill: torch.Tensor  # (L, B, W, H) bfloat16
+    steps: torch.Tensor  # (L, B, N, H) bfloat16, N = the tokens chosen for the longest response
+    confidence: torch.Tensor  # (B, N) float32
+    entropy: torch.Tensor  # (B, N) float32
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,36 +89,86 @@ def generate_batch(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seeds: Sequence[int] | None = None,
+    capture: Sequence[int] | None = None,
 ) -> Generated:
-    """Generate continuations for a batch of prompts; stops each sample at its first EOS.
+    """Generate continuations for a batch of prompts (left-padded, one KV cache); stops each sample
+    at its first EOS and the batch when every sample has stopped.
 
     Sampling (`do_sample`) needs one seed per prompt (`sample_seed`); it applies the temperature
-    and top-p given here and nothing else (no top-k from the model's generation config).
+    and top-p given here and nothing else (no top-k or penalty from the model's generation config).
+    `capture` (decoder layer indices) keeps those layers' outputs at every token fed, and one
+    forward more feeds the last tokens chosen: `Generated.states`, the anchors of the batch.
     """
+    from transformers import DynamicCache
+
+    from a2d.models.capture import capture_layers, token_confidence
+
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
-    kwargs: dict = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id)
-    # Greedy in HF's loop either way; the model's generation config must not switch sampling on.
-    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    processors = None
     if do_sample:
         if seeds is None or len(seeds) != len(prompts):
             raise ValueError("sampled generation needs one seed per prompt (see sample_seed)")
-        kwargs["logits_processor"] = LogitsProcessorList(
+        processors = LogitsProcessorList(
             [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p), GumbelSampler(seeds)]
         )
-    out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # (B, T + new)
-    new = out[:, ids.shape[1] :].tolist()
-    responses, reasons = [], []
+    kept: dict[int, list[torch.Tensor]] = {layer: [] for layer in capture or []}
+    scored: list[tuple[torch.Tensor, torch.Tensor]] = []
+    eos = torch.tensor(sorted(set(eos_ids)), device=device)
+    cache = DynamicCache(config=model.config)
+    position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as transformers' generate numbers them
+    seq = feed = ids
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    chosen: list[torch.Tensor] = []
+    forwards = 0
+    with capture_layers(model, list(kept), lambda i, h: kept[i].append(h.to(torch.bfloat16))):
+        while True:
+            out = model(
+                input_ids=feed,
+                attention_mask=mask,
+                position_ids=position,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].float()
+            forwards += 1
+            if len(chosen) == max_new_tokens or bool(done.all()):
+                break  # this forward fed the last tokens chosen (run only for the capture)
+            scores = processors(seq, logits) if processors is not None else logits
+            token = torch.where(done, torch.full_like(done, pad_id, dtype=torch.long), scores.argmax(-1))
+            if capture is not None:
+                scored.append(token_confidence(logits, token))
+            done = done | torch.isin(token, eos)
+            chosen.append(token)
+            seq = torch.cat([seq, token[:, None]], dim=1)
+            if capture is None and (len(chosen) == max_new_tokens or bool(done.all())):
+                break  # without a capture the last tokens need no forward of their own
+            feed, position = token[:, None], position[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
+    responses, reasons = _cut_at_eos(torch.stack(chosen, dim=1).tolist(), eos_ids)
+    states = None
+    if capture is not None:
+        states = GeneratedStates(
+            layers=list(kept),
+            width=ids.shape[1],
+            prefill=torch.stack([kept[layer][0] for layer in kept]),
+            steps=torch.stack([torch.cat(kept[layer][1:], dim=1) for layer in kept]),
+            confidence=torch.stack([c for c, _ in scored], dim=1),
+            entropy=torch.stack([e for _, e in scored], dim=1),
+        )
+    return Generated(responses, reasons, forwards=forwards, states=states)
+
+
+def _cut_at_eos(rows: list[list[int]], eos_ids: list[int]) -> tuple[list[list[int]], list[str]]:
+    """Each row up to and with its first EOS ("eos"), or whole ("length")."""
     eos = set(eos_ids)
-    for row in new:
+    responses, reasons = [], []
+    for row in rows:
         cut = next((j for j, t in enumerate(row) if t in eos), None)
-        if cut is None:
-            responses.append(row)
-            reasons.append("length")
-        else:
-            responses.append(row[: cut + 1])
-            reasons.append("eos")
-    return Generated(responses, reasons, forwards=len(new[0]) if new else 0)
+        responses.append(row if cut is None else row[: cut + 1])
+        reasons.append("length" if cut is None else "eos")
+    return responses, reasons
 
 
 def eos_ids(model: torch.nn.Module, tok) -> list[int]:

@@ -240,6 +240,25 @@ class AnchorSpec(Spec):
             "the one that ran); the responses stay the fp32 teacher's"
         ),
     )
+    source: Literal["forward", "generation"] = Field(
+        "forward",
+        description=(
+            "forward: one teacher forward over each stored prompt + response; generation: the states "
+            "the responses stage's own generation forwards computed, kept as it generates (no second "
+            "forward: ~40 % of the teacher's time on the demo), at the teacher's precision; shards it "
+            "did not capture (reused or dataset responses) get the forward"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _generation_precision(self) -> AnchorSpec:
+        if self.source == "generation" and self.autocast == "bf16":
+            raise ValueError(
+                "anchors.source=generation keeps the states of the teacher's own generation, which runs "
+                "at the teacher's precision: set anchors.autocast to none (or native), or anchors.source "
+                "to forward for a bf16-autocast capture forward"
+            )
+        return self
 
 
 class TrajectorySpec(Spec):

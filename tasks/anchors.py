@@ -11,6 +11,7 @@ from prefect import task
 from tqdm import tqdm
 
 from a2d.models.capture import capture_layers, resolve_layers, token_confidence
+from a2d.models.generate import GeneratedStates
 from a2d.models.quant import bf16_bits, from_bf16_bits, quantize_int8
 from a2d.models.teacher import autocast as autocast_context
 from a2d.models.teacher import decoder_layers, native_bf16, resolve_device
@@ -32,6 +33,8 @@ FORMAT_VERSION = 3
 
 def capture_autocast(spec: AnchorSpec, device: str) -> str:
     """The capture forward's precision on `device` ("none" or "bf16"): `native` resolved here."""
+    if spec.source == "generation":
+        return "none"  # the generation's own forwards, and the forward of shards it did not capture
     if spec.autocast != "native":
         return spec.autocast
     return "bf16" if native_bf16(resolve_device(device)) else "none"
@@ -48,6 +51,8 @@ def key_inputs(
     data["autocast"] = capture_autocast(spec, device)
     if data["autocast"] == "none":
         data.pop("autocast")  # the forward every anchors key before the option named
+    if spec.source == "forward":
+        data.pop("source")  # as every anchors key before the option
     data["load"] = load.model_dump(mode="json")  # NF4 and bf16 teachers give different anchors
     return KeyInputs(STAGE, FORMAT_VERSION, data, {"responses": responses_key, "teacher": teacher_key})
 
@@ -150,6 +155,34 @@ def capture_shard(
     return Captured(bits, offsets, positions, confidence, entropy)
 
 
+def captured_in_generation(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    batches: list[tuple[list[int], GeneratedStates]],
+    tokens: str,
+) -> Captured:
+    """A shard's anchors from the states its generation kept (`generate_batch(capture=...)`):
+    `batches` holds each batch's sample indices and states; the rows, offsets and NaNs are those
+    `capture_shard` gives for the same samples."""
+    sel = [selected_positions(len(p), len(r), tokens) for p, r in zip(prompts, responses, strict=True)]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in sel])]).astype(np.int64)
+    first = batches[0][1]
+    bits = np.empty((int(offsets[-1]), len(first.layers), first.prefill.shape[-1]), dtype=np.uint16)
+    confidence = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
+    entropy = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
+    for index, st in batches:
+        for b, i in enumerate(index):
+            p, r = len(prompts[i]), len(responses[i])
+            states = torch.cat([st.prefill[:, b, st.width - p :], st.steps[:, b, :r]], dim=1)  # (L, p+r, H)
+            rows = slice(int(offsets[i]), int(offsets[i + 1]))
+            bits[rows] = bf16_bits(states.transpose(0, 1)[sel[i]])
+            scored = sel[i] >= p  # response positions: the teacher chose them
+            confidence[rows][scored] = st.confidence[b, sel[i][scored] - p].numpy()
+            entropy[rows][scored] = st.entropy[b, sel[i][scored] - p].numpy()
+    positions = np.concatenate(sel).astype(np.int32) if sel else np.zeros(0, np.int32)
+    return Captured(bits, offsets, positions, confidence, entropy)
+
+
 def teacher_attrs(store: ArtifactStore, teacher: ArtifactRef) -> dict[str, Any]:
     """Provenance a consumer checks: the teacher key and a hash of its tokenizer files."""
     marker = store.marker(teacher, teacher_stage.SHARD)
@@ -197,43 +230,70 @@ def anchors_shard(
             precision,
         )
         bar.close()
-    forward_seconds = timer.seconds
+    return write_anchor_shard(
+        store,
+        ref,
+        shard,
+        [r["sample_id"] for r in rows],
+        cap,
+        spec,
+        layers,
+        len(decoder_layers(model)),
+        teacher,
+        teacher_spec,
+        responses.key,
+        store.manifest(responses)["shards"][shard]["sha256"],
+        dict(precision=precision, captured_in="forward", forward_seconds=timer.seconds, timer=timer),
+    )
+
+
+def write_anchor_shard(
+    store: ArtifactStore,
+    ref: ArtifactRef,
+    shard: str,
+    sample_ids: list[str],
+    cap: Captured,
+    spec: AnchorSpec,
+    layers: list[int],
+    num_layers: int,
+    teacher: ArtifactRef,
+    teacher_spec: TeacherSpec,
+    responses_key: str,
+    responses_sha256: str,
+    how: dict[str, Any],
+) -> dict:
+    """Encode `cap` as `spec` stores it, publish `part-NNNNN.zarr` and mark the shard finished.
+    `how`: the capture's precision, where it ran ("forward", or "generation" in the responses
+    stage), its forward seconds and the shard's Timer."""
     hidden = cap.bits
     if spec.dtype == "int8":
         hidden = quantize_int8(from_bf16_bits(cap.bits), k=spec.outlier_channels)
     attrs = {
         **teacher_attrs(store, teacher),
-        "responses_key": responses.key,
-        "responses_sha256": store.manifest(responses)["shards"][shard]["sha256"],
+        "responses_key": responses_key,
+        "responses_sha256": responses_sha256,
         "layers": layers,
-        "num_model_layers": len(decoder_layers(model)),
+        "num_model_layers": num_layers,
         "hidden_size": int(cap.bits.shape[2]),
         "capture": spec.capture,
         "dtype": spec.dtype,
         "tokens": spec.tokens,
         "load": teacher_spec.load.model_dump(mode="json"),
-        "autocast": precision,
+        "autocast": how["precision"],
     }
     name = f"{shard}.zarr"
     with store.shard_output(ref, name) as path:
         anchor_store.write_shard(
-            path,
-            hidden,
-            cap.offsets,
-            [r["sample_id"] for r in rows],
-            cap.positions,
-            cap.confidence,
-            cap.entropy,
-            attrs,
+            path, hidden, cap.offsets, sample_ids, cap.positions, cap.confidence, cap.entropy, attrs
         )
         files = {f"{name}/{rel}": h for rel, h in hash_local_tree(path).items()}
-    tokens = int(cap.offsets[-1])
     stats = {
-        "rows": len(rows),
-        "tokens": tokens,
+        "rows": len(sample_ids),
+        "tokens": int(cap.offsets[-1]),
         "raw_bf16_bytes": int(cap.bits.nbytes),
-        "forward_seconds": round(forward_seconds, 3),
-        "seconds": round(timer.seconds, 3),
+        "captured_in": how["captured_in"],
+        "forward_seconds": round(how["forward_seconds"], 3),
+        "seconds": round(how["timer"].seconds, 3),
         "attrs": attrs,
     }
     return store.write_marker(ref, shard, files, stats)
@@ -250,4 +310,5 @@ def summarise(markers: dict[str, dict]) -> dict[str, Any]:
         "bytes_per_token": round(stored / max(tokens, 1), 1),
         "bytes_ratio_vs_bf16": round(stored / max(raw, 1), 4),
         "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "shards_captured_in_generation": sum(m.get("captured_in") == "generation" for m in markers.values()),
     }
