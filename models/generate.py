@@ -120,7 +120,7 @@ def generate_batch(
     seq = feed = ids
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     chosen: list[torch.Tensor] = []
-    forwards = 0
+    forwards, finished = 0, max_new_tokens == 0 or bool(done.all())
     with capture_layers(model, list(kept), lambda i, h: kept[i].append(h.to(torch.bfloat16))):
         while True:
             out = model(
@@ -133,7 +133,7 @@ def generate_batch(
             )
             logits = out.logits[:, -1].float()
             forwards += 1
-            if len(chosen) == max_new_tokens or bool(done.all()):
+            if finished:
                 break  # this forward fed the last tokens chosen (run only for the capture)
             scores = processors(seq, logits) if processors is not None else logits
             token = torch.where(done, torch.full_like(done, pad_id, dtype=torch.long), scores.argmax(-1))
@@ -142,7 +142,8 @@ def generate_batch(
             done = done | torch.isin(token, eos)
             chosen.append(token)
             seq = torch.cat([seq, token[:, None]], dim=1)
-            if capture is None and (len(chosen) == max_new_tokens or bool(done.all())):
+            finished = len(chosen) == max_new_tokens or bool(done.all())
+            if finished and capture is None:
                 break  # without a capture the last tokens need no forward of their own
             feed, position = token[:, None], position[:, -1:] + 1
             mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
