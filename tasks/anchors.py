@@ -243,7 +243,10 @@ def anchors_shard(
         teacher_spec,
         responses.key,
         store.manifest(responses)["shards"][shard]["sha256"],
-        dict(precision=precision, captured_in="forward", forward_seconds=timer.seconds, timer=timer),
+        precision=precision,
+        captured_in="forward",
+        forward_seconds=timer.seconds,
+        timer=timer,
     )
 
 
@@ -260,11 +263,15 @@ def write_anchor_shard(
     teacher_spec: TeacherSpec,
     responses_key: str,
     responses_sha256: str,
-    how: dict[str, Any],
+    *,
+    precision: str,
+    captured_in: str,
+    forward_seconds: float,
+    timer: Timer,
 ) -> dict:
     """Encode `cap` as `spec` stores it, publish `part-NNNNN.zarr` and mark the shard finished.
-    `how`: the capture's precision, where it ran ("forward", or "generation" in the responses
-    stage), its forward seconds and the shard's Timer."""
+    `precision`: the capture's; `captured_in`: "forward", or "generation" in the responses stage;
+    `forward_seconds` of the capture forward; `timer`: the shard's, since it began."""
     hidden = cap.bits
     if spec.dtype == "int8":
         hidden = quantize_int8(from_bf16_bits(cap.bits), k=spec.outlier_channels)
@@ -279,7 +286,7 @@ def write_anchor_shard(
         "dtype": spec.dtype,
         "tokens": spec.tokens,
         "load": teacher_spec.load.model_dump(mode="json"),
-        "autocast": how["precision"],
+        "autocast": precision,
     }
     name = f"{shard}.zarr"
     with store.shard_output(ref, name) as path:
@@ -291,9 +298,9 @@ def write_anchor_shard(
         "rows": len(sample_ids),
         "tokens": int(cap.offsets[-1]),
         "raw_bf16_bytes": int(cap.bits.nbytes),
-        "captured_in": how["captured_in"],
-        "forward_seconds": round(how["forward_seconds"], 3),
-        "seconds": round(how["timer"].seconds, 3),
+        "captured_in": captured_in,
+        "forward_seconds": round(forward_seconds, 3),
+        "seconds": round(timer.seconds, 3),
         "attrs": attrs,
     }
     return store.write_marker(ref, shard, files, stats)

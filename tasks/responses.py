@@ -106,7 +106,6 @@ def responses_shard(
         cap = anchor_stage.captured_in_generation(
             out["prompt_ids"], out["response_ids"], batches, anchor_spec.tokens
         )
-        how = dict(precision="none", captured_in="generation", forward_seconds=0.0, timer=Timer())
         anchor_stage.write_anchor_shard(
             store,
             anchors,
@@ -120,7 +119,10 @@ def responses_shard(
             teacher_spec,
             ref.key,
             marker["sha256"],
-            how,
+            precision="none",
+            captured_in="generation",
+            forward_seconds=0.0,
+            timer=Timer(),
         )
     return marker
 
