@@ -91,6 +91,5 @@ def capturing(
             yield None
             return
         st.clean_scratch(ref)
-        plan = st.plan(ref)  # a partial artifact keeps the shards it planned
-        st.write_plan(ref, inputs, plan["shards"] if plan else list(st.manifest(prompts)["shards"]))
+        st.plan_shards(ref, inputs, lambda: list(st.manifest(prompts)["shards"]))  # the responses' shards
         yield ref

@@ -142,11 +142,7 @@ def run_sharded(
             log.info("%s %s: reused complete artifact at %s", ref.stage, ref.key, ref.uri)
             publish_stage_table(store, ref, seconds=timer.seconds, reused=True)
             return ref
-        plan = store.plan(ref)
-        if callable(shards):  # a partial or demoted artifact keeps the shards it planned
-            shards = plan["shards"] if plan else shards()
-        shards = list(shards)
-        store.write_plan(ref, inputs, shards)
+        shards = store.plan_shards(ref, inputs, shards)  # a partial artifact keeps its planned shards
         pending = store.pending_shards(ref, shards, verify=opts.verify_reuse)
         kept = len(shards) - len(pending)
         log.info(

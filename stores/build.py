@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,18 @@ class ArtifactBuild(ArtifactRecords):
         if removed:
             log.info("removed scratch left by an interrupted run: %s", ", ".join(removed))
         return removed
+
+    def plan_shards(
+        self, ref: ArtifactRef, inputs: KeyInputs, shards: Sequence[str] | Callable[[], Sequence[str]]
+    ) -> list[str]:
+        """Record the plan and return its shards: a sequence is the plan; a callable is asked only
+        when the artifact has no plan (a partial or demoted artifact keeps the shards it planned)."""
+        if callable(shards):
+            plan = self.plan(ref)
+            shards = plan["shards"] if plan else shards()
+        shards = list(shards)
+        self.write_plan(ref, inputs, shards)
+        return shards
 
     def write_plan(self, ref: ArtifactRef, inputs: KeyInputs, shards: list[str]) -> None:
         """Record what this artifact will hold before any shard is written (shown by `a2d ls`)."""
