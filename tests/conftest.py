@@ -70,6 +70,18 @@ def prefect_harness():
         yield
 
 
+# The tiny config's overrides for a pipeline whose stages are the point, not the architecture: a
+# 2-layer llama teacher, 12 rows in 3 shards, 8-token responses, anchors of both layers.
+LLAMA_PIPELINE = (
+    "teacher.architecture=llama",
+    "teacher.layers=2",
+    "prompts.bundled_rows=12",
+    "prompts.rows_per_shard=4",
+    "responses.max_new_tokens=8",
+    "anchors.layers=[0, 1]",
+)
+
+
 def tiny_config(store: str, *overrides: str) -> PipelineConfig:
     """configs/tiny.yaml, pointed at `store`, with overrides."""
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"store={store}", *overrides])

@@ -11,17 +11,9 @@ from a2d.models.teacher import build_random_teacher, load_teacher
 from a2d.stores.anchors import AnchorReader
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.anchors import capture_shard, captured_in_generation
-from tests.conftest import tiny_config
+from tests.conftest import LLAMA_PIPELINE, tiny_config
 
-LLAMA = [
-    "teacher.architecture=llama",
-    "teacher.layers=2",
-    "prompts.bundled_rows=12",
-    "prompts.rows_per_shard=4",
-    "responses.max_new_tokens=8",
-    "anchors.layers=[0, 1]",
-    "anchors.dtype=bf16",
-]
+LLAMA = (*LLAMA_PIPELINE, "anchors.dtype=bf16")
 
 
 @pytest.mark.parametrize("arch,layers", [("qwen3_5", 4), ("llama", 2)])

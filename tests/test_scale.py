@@ -13,16 +13,8 @@ from a2d.flows.cli import main
 from a2d.flows.pipeline import STEPS, pipeline
 from a2d.stores import checkpoints
 from a2d.stores.artifacts import ArtifactStore
+from tests.conftest import LLAMA_PIPELINE as LLAMA
 from tests.conftest import ROOT, tiny_config
-
-LLAMA = [
-    "teacher.architecture=llama",
-    "teacher.layers=2",
-    "prompts.bundled_rows=12",
-    "prompts.rows_per_shard=4",
-    "responses.max_new_tokens=8",
-    "anchors.layers=[0, 1]",
-]
 
 
 def _run(store: str, until: str) -> list[str]:
