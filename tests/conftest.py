@@ -87,6 +87,43 @@ def tiny_config(store: str, *overrides: str) -> PipelineConfig:
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"store={store}", *overrides])
 
 
+def bare_forward_seconds(store: str, teacher) -> float:
+    """The median time of one forward of the stored teacher over 64 tokens, on this machine now
+    (after warm-up: a cold first forward costs several times a warm one)."""
+    import torch
+
+    from a2d.stores.artifacts import ArtifactStore
+    from a2d.tasks import teacher as teacher_stage
+
+    model, _ = teacher_stage.tm.load_teacher(
+        teacher_stage.local_dir(ArtifactStore(str(store)), teacher), device="cpu"
+    )
+    ids = torch.arange(2, 66)[None]
+    times = []
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: the first forwards build kernels and caches
+            model(ids)
+        for _ in range(15):
+            t = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def log_lines(client, flow_run_id, until: str = "", timeout: float = 30) -> list[str]:
+    """The run's log lines on the server, once one contains `until` (a run's logs reach the server
+    in batches, after its state) or `timeout` passes."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [entry.message for entry in client.read_logs(log_filter=only)]
+        if any(until in line for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -41,8 +41,9 @@ from a2d.deployments.serve import (
 from a2d.flows.cli import main
 from a2d.flows.pipeline import STEPS, pipeline
 from a2d.specs import TeacherSpec
+from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.concurrency import ensure_limit, gpu_slot, limit_exists
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, log_lines, tiny_config
 
 DEPLOYMENTS = Path(ROOT, "deployments")
 SNAPSHOTS = Path(ROOT, "tests", "snapshots")
@@ -553,7 +554,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         ):
             refused = run_deployment(name, parameters=parameters, timeout=300, poll_interval=1)
             assert refused.state.is_failed() and says in refused.state.message, refused.state
-            lines = _log_lines(client, refused.id, until="Finished in state")
+            lines = log_lines(client, refused.id, until="Finished in state")
             assert any(says in line for line in lines) and not any("Traceback" in line for line in lines), (
                 lines
             )
@@ -607,7 +608,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         }
         assert states.get("responses") == "CRASHED" and states.get("prompts") == "COMPLETED", states
         crashed = "run crashed: Process exited with status code: -9"
-        assert any(crashed in line for line in _log_lines(client, flow_run.id, until=crashed))
+        assert any(crashed in line for line in log_lines(client, flow_run.id, until=crashed))
         shards = len(_finished(store / "prompts" / crash_refs["prompts"].key / "_markers"))
         assert done_before < shards, "the stage finished before the kill: nothing to resume"
 
@@ -634,86 +635,20 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             "seconds": _tables(client, "a2d-responses")[-1]["seconds"],
         }
 
-        # The rest of the tiny pipeline through eval, as a person clicks it: it finishes in a time
-        # bounded against a bare forward of the tiny teacher, and its eval subflow logs one line per
-        # decoder (with tokens/s) as each finishes.
-        start = time.monotonic()
+        # A served run launches the trainer process from the run's own process: the drafter stage,
+        # as a person clicks it, ends Completed with its page saying what the artifact holds. (The
+        # rest of the pipeline through eval, its eval log lines and artifact keys, is checked on the
+        # in-process pipeline of tests/test_vfm_eval.py: the same flows, without a second tiny run.)
         through = run_deployment(
-            "pipeline/e2e · pipeline", parameters={**params, "until": "eval"}, timeout=900, poll_interval=1
+            "pipeline/e2e · pipeline", parameters={**params, "until": "drafter"}, timeout=600, poll_interval=1
         )
-        seconds = time.monotonic() - start
         assert through.state.is_completed(), f"{through.state}\n{log.read_text(errors='replace')[-3000:]}"
-        forward = _bare_forward_seconds(store, refs["teacher"])
-        ratio = seconds / forward
-        print(
-            f"tiny pipeline drafter..eval served: {seconds:.1f} s = {ratio:.0f} bare forwards of {forward * 1e3:.1f} ms"
-        )
-        # 6,600 warm forwards (45 s) on 2 quiet cores (2026-12-04); the smoke run that took 47 min: ~400,000
-        assert ratio < 25_000, f"the tiny run through eval took {ratio:.0f} bare forwards"
-        from a2d.stores.artifacts import ArtifactStore
-
-        eval_ref = planned_refs(config)["eval"]
-        report = ArtifactStore(str(store)).loc(eval_ref).local_path() / "report" / "metrics.json"
-        ran = [
-            name
-            for name, d in json.loads(report.read_text())["decoders"].items()
-            if "tokens_per_s" in d and " @" not in name
-        ]
-        assert {"spec:drafter+lookup", "ar:greedy"} <= set(ran)
-        below = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[through.id]))
-        (eval_run,) = [
-            c
-            for c in client.read_flow_runs(flow_run_filter=below)
-            if client.read_flow(c.flow_id).name == "eval"
-        ]
-        lines = _log_lines(client, eval_run.id, until="committed")
-        logged = [m[1] for line in lines if (m := re.match(r"eval (\S+): [\d.]+ tokens/s", line))]
-        assert sorted(logged) == sorted(ran), (logged, ran)
-        # every artifact the runs made has a key (the Artifacts page lists none unnamed), and a stage's
-        # page says what its artifact holds without a click into the table
         made = client.read_artifacts()
-        assert made and all(a.key for a in made), [a.type for a in made if not a.key]
         (drafter_page,) = [a for a in made if a.key == "a2d-drafter" and a.type == "table"]
         assert re.search(r"\d+ rows, \d+ tokens, [\d,]+ bytes", drafter_page.description), (
             drafter_page.description
         )
-
-
-def _bare_forward_seconds(store: Path, teacher) -> float:
-    """The median time of one forward of the stored teacher over 64 tokens, on this machine now
-    (after warm-up: a cold first forward costs several times a warm one)."""
-    import torch
-
-    from a2d.stores.artifacts import ArtifactStore
-    from a2d.tasks import teacher as teacher_stage
-
-    model, _ = teacher_stage.tm.load_teacher(
-        teacher_stage.local_dir(ArtifactStore(str(store)), teacher), device="cpu"
-    )
-    ids = torch.arange(2, 66)[None]
-    times = []
-    with torch.no_grad():
-        for _ in range(3):  # warm-up: the first forwards build kernels and caches
-            model(ids)
-        for _ in range(15):
-            t = time.perf_counter()
-            model(ids)
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def _log_lines(client, flow_run_id, until: str = "", timeout: float = 30) -> list[str]:
-    """The run's log lines on the server, once one contains `until` (a run's logs reach the server
-    in batches, after its state) or `timeout` passes."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = [entry.message for entry in client.read_logs(log_filter=only)]
-        if any(until in line for line in lines) or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.5)
+        assert ArtifactStore(str(store)).is_complete(planned_refs(config)["drafter"])
 
 
 def _finished(markers: Path) -> list[Path]:

@@ -1,7 +1,10 @@
 """vfm and eval: exact VFM resume, reuse, K-step generation, and an eval report with every decoder."""
 
 import json
+import logging
 import math
+import re
+import time
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from a2d.models.vfm import NoiseAdapter, kl_to_prior
 from a2d.specs import TrainOptions
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.vfm import train_vfm
-from tests.conftest import tiny_config
+from tests.conftest import bare_forward_seconds, log_lines, tiny_config
 
 SMALL = [  # the 27B family's architecture (Gated DeltaNet + full attention), 4 layers
     "teacher.architecture=qwen3_5",
@@ -32,11 +35,26 @@ SMALL = [  # the 27B family's architecture (Gated DeltaNet + full attention), 4 
 ]
 
 
+BUILT_SECONDS: dict[str, float] = {}  # the built pipeline's wall time, teacher through eval
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("vfm-eval"))
     cfg = tiny_config(store, *SMALL)
-    return store, cfg, pipeline(cfg, until="eval")
+    # the runs' INFO lines reach the harness's API (the session logs at WARNING): the eval's per-decoder lines
+    loggers = [logging.getLogger(f"prefect.{name}") for name in ("flow_runs", "task_runs")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+    try:
+        start = time.monotonic()
+        refs = pipeline(cfg, until="eval")
+        BUILT_SECONDS[store] = time.monotonic() - start
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+    return store, cfg, refs
 
 
 def test_kl_is_zero_only_at_the_prior():
@@ -195,6 +213,37 @@ def test_eval_reports_every_decoder(built):
     assert all(name in report for name in names) and "95% CI" in report
     assert (out / "speed_quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert st.verify(refs["eval"]) == []
+
+
+def test_the_eval_subflow_logs_each_decoder_and_every_artifact_has_a_key(built):
+    """The pipeline's eval subflow logs one line per decoder (with tokens/s) as each finishes; every
+    artifact the runs made has a key (the Artifacts page lists none unnamed) and a stage's page says
+    what its artifact holds without a click into the table; the tiny run through eval takes a time
+    bounded against a bare forward of its teacher (a run that went pathological once took 47 min)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    store, cfg, refs = built
+    seconds, forward = BUILT_SECONDS[store], bare_forward_seconds(store, refs["teacher"])
+    print(f"tiny pipeline teacher..eval: {seconds:.1f} s = {seconds / forward:.0f} bare forwards")
+    # 7,100 bare forwards (104 s) alone on 2 AVX2 cores (2026-12-07); the pathological run: ~400,000
+    assert seconds / forward < 30_000, f"the tiny run through eval took {seconds / forward:.0f} bare forwards"
+    report = ArtifactStore(store).loc(refs["eval"]).local_path() / "report" / "metrics.json"
+    ran = [n for n, d in json.loads(report.read_text())["decoders"].items() if "tokens_per_s" in d]
+    assert {"spec:drafter+lookup", "ar:greedy"} <= set(ran)
+    with get_client(sync_client=True) as client:
+        evals = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["eval"])))
+        first = min(
+            (r for r in evals if r.parameters.get("store") == store), key=lambda r: r.expected_start_time
+        )  # the fixture's run, the one that decoded (a later run of the same key reuses it)
+        lines = log_lines(client, first.id, until="committed")
+        made = client.read_artifacts()
+    logged = [m[1] for line in lines if (m := re.match(r"eval (\S+): [\d.]+ tokens/s", line))]
+    assert sorted(logged) == sorted(ran), (logged, ran)
+    assert made and all(a.key for a in made), [a.type for a in made if not a.key]
+    pages = {a.key: a.description for a in made if a.type == "table"}
+    for stage in ("drafter", "anchors", "responses"):
+        assert re.search(r"\d+ rows, \d+ tokens, [\d,]+ bytes", pages[f"a2d-{stage}"]), pages[f"a2d-{stage}"]
 
 
 def test_every_stage_manifest_spec_hashes_to_its_key(built):
