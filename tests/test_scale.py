@@ -11,6 +11,7 @@ from safetensors.torch import load, load_file
 
 from a2d.flows.cli import main
 from a2d.flows.pipeline import STEPS, pipeline
+from a2d.flows.pipeline import plan as pipeline_plan
 from a2d.stores import checkpoints
 from a2d.stores.artifacts import ArtifactStore
 from tests.conftest import LLAMA_PIPELINE as LLAMA
@@ -22,6 +23,14 @@ def _run(store: str, until: str) -> list[str]:
     return ["run", f"{ROOT}/configs/tiny.yaml", "--until", until, "--store", store] + [
         a for s in LLAMA for a in ("--set", s)
     ]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[str, dict]:
+    """A local store of the tiny LLAMA pipeline through trajectories and its refs, built once for
+    the tests here: their own overrides (head, drafter, runner) leave these stages' keys alone."""
+    store = str(tmp_path_factory.mktemp("llama") / "store")
+    return store, pipeline(tiny_config(store, *LLAMA), until="trajectories")
 
 
 @pytest.mark.slow
@@ -93,15 +102,15 @@ def test_s3_store_reuse_resume_verify_and_ls(s3, capsys):
 
 
 @pytest.mark.slow
-def test_dask_fan_out_matches_threads(tmp_path):
+def test_dask_fan_out_matches_threads(llama, tmp_path):
     """The same shards from a Dask cluster of worker processes as from threads; the cluster's task
     stream shows the shard tasks ran there (on its workers, not in this process)."""
     from distributed import Client, LocalCluster, get_task_stream
     from prefect.settings import PREFECT_API_URL
 
     os.environ["PREFECT_API_URL"] = PREFECT_API_URL.value()  # Dask worker processes report to the harness
+    store, built = llama  # the same config's stages from threads
     try:
-        threads = pipeline(tiny_config(str(tmp_path / "threads"), *LLAMA), until="anchors")
         with (
             LocalCluster(
                 n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
@@ -125,21 +134,23 @@ def test_dask_fan_out_matches_threads(tmp_path):
     kinds = Counter(str(t["key"]).split("-", 1)[0] for t in ran)
     assert kinds == {"prompts_shard": 3, "responses_shard": 3, "anchors_shard": 3}, kinds
     assert {t["worker"] for t in ran} <= workers and os.getpid() not in worker_pids
+    threads = {k: built[k] for k in dask}
     assert dask == {
-        k: v.model_copy(update={"uri": v.uri.replace("/threads/", "/dask/")}) for k, v in threads.items()
+        k: v.model_copy(update={"uri": v.uri.replace(store, str(tmp_path / "dask"))})
+        for k, v in threads.items()
     }
     for stage in ("responses", "anchors"):
-        a = ArtifactStore(str(tmp_path / "threads")).manifest(threads[stage])["shards"]
+        a = ArtifactStore(store).manifest(threads[stage])["shards"]
         b = ArtifactStore(str(tmp_path / "dask")).manifest(dask[stage])["shards"]
         assert {s: m["sha256"] for s, m in a.items()} == {s: m["sha256"] for s, m in b.items()}
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_process(tmp_path):
+def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_process(llama, tmp_path):
     from a2d.tasks.train import launch_command, run_training, train
     from tests.test_head import _job
 
-    store = str(tmp_path / "store")
+    store, built = llama
     # SGD, not AdamW: Adam's first steps are ~lr·sign(g), so float noise in near-zero gradients (other
     # summation orders across processes) flips whole updates; SGD shows the gradients really agree.
     # No clipping (the pre-clip norms here are ~3-5): clipped to the same norm, a gradient summed over
@@ -155,7 +166,10 @@ def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_proces
         "head.align_layers=1",
         "train.checkpoint_every=2",
     )
-    refs = pipeline(cfg, until="trajectories")
+    refs = built
+    assert refs == {
+        k: v for k, v in pipeline_plan(cfg).items() if k in refs
+    }  # its head options keep these keys
     one = _job(store, cfg, refs, cfg.head.model_copy(update={"grad_accum": 2}), workdir_=tmp_path / "one")
     two = _job(store, cfg, refs, cfg.head, workdir_=tmp_path / "two").model_copy(
         update={"train": cfg.train.model_copy(update={"num_processes": 2})}
@@ -221,14 +235,14 @@ def _initial_mask(store: str, refs: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_train_the_drafter_as_one_does(tmp_path):
+def test_two_gloo_processes_train_the_drafter_as_one_does(llama, tmp_path):
     """The drafter on the one training process path: 2 gloo processes, each training half of every
     step's responses, end with the weights of 1 process training all of them."""
     from a2d.models.drafter import DFlashDraftModel
     from a2d.tasks.drafter import key_inputs
     from a2d.tasks.train import TrainJob, run_training, train
 
-    store = str(tmp_path / "store")
+    store, built = llama
     # No clipping: clipped to one norm, a gradient summed over ranks instead of averaged would pass;
     # AdamW hides a gradient's scale, so the logged pre-clip norms are compared too. A non-constant
     # schedule (warmup, then linear decay) makes the scheduler's steps count.
@@ -243,7 +257,8 @@ def test_two_gloo_processes_train_the_drafter_as_one_does(tmp_path):
         "train.checkpoint_every=1",
         "train.keep_checkpoints=3",
     )
-    refs = pipeline(cfg, until="anchors")
+    refs = built
+    assert refs["anchors"] == pipeline_plan(cfg)["anchors"]  # its drafter options keep the anchors' key
     st = ArtifactStore(store)
     inputs = {k: refs[k] for k in ("teacher", "responses", "anchors")}
     ref = st.ref("drafter", key_inputs(cfg.drafter, *(refs[k].key for k in inputs)).key)
