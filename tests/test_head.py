@@ -158,6 +158,8 @@ SMALL = [
     "head.lr_schedule=constant",
     "head.align_layers=2",
     "train.checkpoint_every=3",
+    "drafter=null",  # the head's inputs only: no drafter stage (a training process) before it
+    "eval.decoders=null",  # (tiny.yaml's list names the drafter's decoder)
 ]
 
 
@@ -287,6 +289,8 @@ HYBRID = [
     "head.lora_dropout=0.1",  # dropout draws from the RNG: its restored state matters
     "head.align_layers=2",
     "train.checkpoint_every=2",
+    "drafter=null",
+    "eval.decoders=null",
 ]
 
 

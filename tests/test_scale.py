@@ -27,10 +27,11 @@ def _run(store: str, until: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> tuple[str, dict]:
-    """A local store of the tiny LLAMA pipeline through trajectories and its refs, built once for
-    the tests here: their own overrides (head, drafter, runner) leave these stages' keys alone."""
+    """A local store of the tiny LLAMA pipeline through trajectories (no drafter stage: the drafter
+    test trains its own) and its refs, built once for the tests here: their own overrides (head,
+    drafter, runner) leave these stages' keys alone."""
     store = str(tmp_path_factory.mktemp("llama") / "store")
-    return store, pipeline(tiny_config(store, *LLAMA), until="trajectories")
+    return store, pipeline(tiny_config(store, *LLAMA, "drafter=null"), until="trajectories")
 
 
 @pytest.mark.slow
