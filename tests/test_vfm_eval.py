@@ -221,7 +221,14 @@ def test_the_eval_subflow_logs_each_decoder_and_every_artifact_has_a_key(built):
     what its artifact holds without a click into the table; the tiny run through eval takes a time
     bounded against a bare forward of its teacher (a run that went pathological once took 47 min)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
 
     store, cfg, refs = built
     seconds, forward = BUILT_SECONDS[store], bare_forward_seconds(store, refs["teacher"])
@@ -237,7 +244,12 @@ def test_the_eval_subflow_logs_each_decoder_and_every_artifact_has_a_key(built):
             (r for r in evals if r.parameters.get("store") == store), key=lambda r: r.expected_start_time
         )  # the fixture's run, the one that decoded (a later run of the same key reuses it)
         lines = log_lines(client, first.id, until="committed")
-        made = client.read_artifacts()
+        top = client.read_task_run(first.parent_task_run_id).flow_run_id  # the fixture's pipeline run
+        below = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[top]))
+        runs = [top, *(r.id for r in client.read_flow_runs(flow_run_filter=below))]
+        made = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=runs))
+        )
     logged = [m[1] for line in lines if (m := re.match(r"eval (\S+): [\d.]+ tokens/s", line))]
     assert sorted(logged) == sorted(ran), (logged, ran)
     assert made and all(a.key for a in made), [a.type for a in made if not a.key]
