@@ -170,10 +170,8 @@ def test_two_gloo_processes_agree_with_one_resume_exactly_and_load_single_proces
         "head.align_layers=1",
         "train.checkpoint_every=2",
     )
-    refs = built
-    assert refs == {
-        k: v for k, v in pipeline_plan(cfg).items() if k in refs
-    }  # its head options keep these keys
+    refs = built  # its head options keep these stages' keys:
+    assert refs == {k: v for k, v in pipeline_plan(cfg).items() if k in refs}
     one = _job(store, cfg, refs, cfg.head.model_copy(update={"grad_accum": 2}), workdir_=tmp_path / "one")
     two = _job(store, cfg, refs, cfg.head, workdir_=tmp_path / "two").model_copy(
         update={"train": cfg.train.model_copy(update={"num_processes": 2})}

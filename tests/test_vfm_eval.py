@@ -217,7 +217,7 @@ def test_eval_reports_every_decoder(built):
 
 def test_the_eval_subflow_logs_each_decoder_and_every_artifact_has_a_key(built):
     """The pipeline's eval subflow logs one line per decoder (with tokens/s) as each finishes; every
-    artifact the runs made has a key (the Artifacts page lists none unnamed) and a stage's page says
+    artifact its runs made has a key (the Artifacts page lists none unnamed) and a stage's page says
     what its artifact holds without a click into the table; the tiny run through eval takes a time
     bounded against a bare forward of its teacher (a run that went pathological once took 47 min)."""
     from prefect import get_client
