@@ -127,6 +127,14 @@ def block_states(drafter: DFlashDraftModel, frozen: Frozen, feats, ctx_len, star
     return states.reshape(b, m, block, -1)[:, :, 1:]
 
 
+def head_logits(states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """The frozen head's logits (..., V') of states (..., H), as one matrix product. `states @ head.T`
+    on the (b, M, B-1, H) offsets slice (not contiguous) runs as b*M batched products of 3 rows each:
+    on 2 AVX2 cores that was 0.5 s of the demo drafter's 0.84 s training step, forward and backward."""
+    flat = states.reshape(-1, states.shape[-1])
+    return F.linear(flat, head.to(states.dtype)).view(*states.shape[:-1], head.shape[0])
+
+
 def head_targets(frozen: Frozen, targets: torch.Tensor) -> torch.Tensor:
     if frozen.row_of is None:
         return targets
@@ -148,7 +156,7 @@ def drafter_loss(
     top-k distribution there (the batch's soft targets)."""
     feats, ctx_len, starts, ids, targets, soft_rows, soft_p = batch
     states = block_states(drafter, frozen, feats, ctx_len, starts, ids)  # (b, M, B-1, H)
-    logits = (states @ frozen.head.T.to(states.dtype)).float()  # (b, M, B-1, V')
+    logits = head_logits(states, frozen.head).float()  # (b, M, B-1, V')
     tgt = head_targets(frozen, targets)
     if not distill:
         ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), ignore_index=-100, reduction="none")
@@ -209,7 +217,7 @@ def teacher_forced(
                 chunk,
                 ids,
             )[0]
-            best = (states @ frozen.head.T.to(states.dtype)).argmax(-1)  # (M, B-1)
+            best = head_logits(states, frozen.head).argmax(-1)  # (M, B-1)
             drafts = draft_tokens(frozen.vocab, best)
             for j, st in enumerate(chunk[0].tolist()):
                 truth = s.tokens[st + 1 : st + block].tolist()
