@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 _HOME = tempfile.mkdtemp(prefix="a2d-prefect-home-")
 os.environ.setdefault("PREFECT_HOME", _HOME)
@@ -122,6 +123,11 @@ def log_lines(client, flow_run_id, until: str = "", timeout: float = 30) -> list
         if any(until in line for line in lines) or time.monotonic() > deadline:
             return lines
         time.sleep(0.5)
+
+
+def finished_markers(markers: Path) -> list[Path]:
+    """The finished shards' markers in `markers` (not the temp files of markers being written)."""
+    return sorted(p for p in markers.iterdir() if p.suffix == ".json") if markers.is_dir() else []
 
 
 def free_port() -> int:

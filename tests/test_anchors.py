@@ -18,7 +18,7 @@ from a2d.models.teacher import build_random_teacher, decoder_layers, load_teache
 from a2d.stores.anchors import AnchorMismatchError, AnchorReader
 from a2d.stores.artifacts import ArtifactStore
 from a2d.tasks.anchors import capture_shard
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, finished_markers, tiny_config
 
 SMALL = ["prompts.bundled_rows=12", "prompts.rows_per_shard=4", "responses.max_new_tokens=8"]
 
@@ -252,7 +252,7 @@ def test_sigkill_mid_anchors_then_rerun_matches_uninterrupted(tmp_path, anchored
     assert not st.is_complete(aref)
     # Only finished markers: the kill can land while the other worker thread is mid-way through its
     # marker's atomic write, which leaves a `<shard>.json.tmp-<id>` beside them.
-    done = {m[: -len(".json")] for m in st.loc(aref).listdir("_markers") if m.endswith(".json")}
+    done = {p.stem for p in finished_markers(st.loc(aref).local_path() / "_markers")}
     assert 1 <= len(done) < 3
     before = {s: os.stat(st.loc(aref).local_path() / f"{s}.zarr" / "zarr.json").st_mtime_ns for s in done}
 

@@ -42,7 +42,7 @@ from a2d.flows.cli import main
 from a2d.flows.pipeline import STEPS, pipeline
 from a2d.specs import TeacherSpec
 from a2d.tasks.concurrency import ensure_limit, gpu_slot, limit_exists
-from tests.conftest import ROOT, log_lines, tiny_config
+from tests.conftest import ROOT, finished_markers, log_lines, tiny_config
 
 DEPLOYMENTS = Path(ROOT, "deployments")
 SNAPSHOTS = Path(ROOT, "tests", "snapshots")
@@ -572,7 +572,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         markers = store / "responses" / crash_refs["responses"].key / "_markers"
         flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=crash)
         deadline = time.monotonic() + 180
-        while not _finished(markers):  # a marker's atomic-write temp file is not a finished shard
+        while not finished_markers(markers):  # a marker's atomic-write temp file is not a finished shard
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.05)
         running = _run_processes(serve.pid, flow_run.id)  # the run's process and any it started
@@ -585,7 +585,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         for pid in running:
             os.kill(pid, signal.SIGKILL)
         assert ServePolicy.model_validate_json(environ[POLICY_ENV.encode()]) == policy_for(config)
-        done_before = len(_finished(markers))
+        done_before = len(finished_markers(markers))
         _wait_for_state(client, flow_run.id, "CRASHED", 60)
         # Its log says what ended it, and the stage subflow that was running in the killed process
         # is Crashed too (the runner runs every a2d flow's crashed hook, a2d.flows.run_logs.on_crashed).
@@ -607,7 +607,7 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         assert states.get("responses") == "CRASHED" and states.get("prompts") == "COMPLETED", states
         crashed = "run crashed: Process exited with status code: -9"
         assert any(crashed in line for line in log_lines(client, flow_run.id, until=crashed))
-        shards = len(_finished(store / "prompts" / crash_refs["prompts"].key / "_markers"))
+        shards = len(finished_markers(store / "prompts" / crash_refs["prompts"].key / "_markers"))
         assert done_before < shards, "the stage finished before the kill: nothing to resume"
 
         from prefect.states import AwaitingRetry
@@ -618,7 +618,8 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
         resumed = {r["stage"]: r["outcome"] for r in summary}["responses"]
         finished = re.fullmatch(r"resumed \((\d+) of (\d+) shards already finished\)", resumed)
         assert finished and int(finished[1]) >= done_before and int(finished[2]) == shards, resumed
-        assert len(_finished(markers)) == shards and sorted(markers.iterdir()) == _finished(markers)
+        kept = finished_markers(markers)
+        assert len(kept) == shards and sorted(markers.iterdir()) == kept
         assert _tables(client, "a2d-responses")[-1]["resumed_shards"] == int(finished[1])
 
         # A stage deployment takes its inputs as keys (the form's text fields): the responses stage
@@ -632,11 +633,6 @@ def test_served_pipeline_runs_resumes_and_rejects_bad_parameters(prefect_server,
             "reused": True,
             "seconds": _tables(client, "a2d-responses")[-1]["seconds"],
         }
-
-
-def _finished(markers: Path) -> list[Path]:
-    """The finished shards' markers in `markers` (not the temp files of markers being written)."""
-    return sorted(p for p in markers.iterdir() if p.suffix == ".json") if markers.is_dir() else []
 
 
 def _environ(pid: int) -> dict[bytes, bytes]:
