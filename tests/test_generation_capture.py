@@ -89,3 +89,35 @@ def test_pipeline_captures_anchors_while_generating_and_forwards_only_what_it_mi
     where, states = _anchors(gen, again["anchors"])
     assert where == {"part-00000": "generation", "part-00001": "forward", "part-00002": "generation"}
     _same(states, want)
+
+
+@pytest.mark.parametrize("arch,layers", [("qwen3_5", 4), ("llama", 2)])
+def test_the_preallocated_cache_gives_the_growing_caches_logits_bit_for_bit(tmp_path, arch, layers):
+    """Prefill of left-padded prompts and five one-token steps: every step's logits through the
+    buffers equal those through transformers' DynamicCache exactly (qwen3_5: its linear-attention
+    layers keep their own cache), and a feed past the buffers' size is refused, not truncated."""
+    from transformers import DynamicCache
+
+    from a2d.models.generate import preallocated_cache
+
+    build_random_teacher(arch, layers, 64, 0, tmp_path / "t", "float32")
+    model, tok = load_teacher(tmp_path / "t", device="cpu")
+    prompts = [np.random.default_rng(1).integers(3, 256, size=n).tolist() for n in (7, 3, 12)]
+    ids, mask = left_pad(prompts, tok.pad_token_id, torch.device("cpu"))
+    steps = torch.randint(3, 256, (5, 3), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for cache in (DynamicCache(config=model.config), preallocated_cache(model, ids.shape[1] + len(steps))):
+        m, position, feed, logits = mask, (mask.cumsum(-1) - 1).clamp_min(0), ids, []
+        with torch.no_grad():
+            for token in [None, *steps]:
+                if token is not None:
+                    feed, position = token[:, None], position[:, -1:] + 1
+                    m = torch.cat([m, m.new_ones(3, 1)], dim=1)
+                out = model(input_ids=feed, attention_mask=m, position_ids=position, past_key_values=cache)
+                logits.append(out.logits[:, -1])
+        outs.append((torch.stack(logits), cache, m, position))
+    assert torch.equal(outs[0][0], outs[1][0])
+    _, cache, m, position = outs[1]
+    with pytest.raises(RuntimeError, match="cache sized for"), torch.no_grad():
+        model(input_ids=steps[0][:, None], attention_mask=torch.cat([m, m.new_ones(3, 1)], 1),
+              position_ids=position + 1, past_key_values=cache)  # fmt: skip
