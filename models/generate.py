@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -49,9 +50,10 @@ class GeneratedStates:
     entropy: torch.Tensor  # (B, N) float32
 
 
-class _PreallocatedLayer:
-    """A `DynamicLayer`'s update without its copy: the keys and values go into buffers sized for
-    the whole generation, and the layer hands attention views of the filled part.
+class _BufferedLayer(DynamicLayer):
+    """A `DynamicLayer` without its copy: the keys and values go into buffers sized for the whole
+    generation, and the layer holds views of the filled part (so its length, masks and crops are
+    `DynamicLayer`'s own).
 
     `DynamicLayer` concatenates the whole cache with each new token: at a batch of 30 (the demo's
     responses) that copied ~230 MB a decode step of the 135M teacher, and one generation of 30
@@ -60,37 +62,37 @@ class _PreallocatedLayer:
     behind each other's compute (`benchmarks/responses.py`). The views hold the same values in the
     same shapes, so attention reads what it read."""
 
-    def __init__(self, layer, capacity: int):
-        self.layer, self.capacity, self.length = layer, capacity, 0
-        self.key_buffer = self.value_buffer = None
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.key_buffer = key_states.new_empty((*key_states.shape[:-2], self.capacity, key_states.shape[-1]))
+        self.value_buffer = value_states.new_empty(
+            (*value_states.shape[:-2], self.capacity, value_states.shape[-1])
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        layer = self.layer
-        if self.key_buffer is None:
-            layer.lazy_initialization(key_states, value_states)
-            shape = (*key_states.shape[:-2], self.capacity, key_states.shape[-1])
-            self.key_buffer = key_states.new_empty(shape)
-            self.value_buffer = value_states.new_empty((*shape[:-1], value_states.shape[-1]))
-        end = self.length + key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"generation fed {end} tokens into a cache sized for {self.capacity}")
-        self.key_buffer[..., self.length : end, :] = key_states
-        self.value_buffer[..., self.length : end, :] = value_states
-        self.length = end
-        layer.keys, layer.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
-        return layer.keys, layer.values
+        self.key_buffer[..., start:end, :] = key_states
+        self.value_buffer[..., start:end, :] = value_states
+        self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+        return self.keys, self.values
 
 
 def preallocated_cache(model: torch.nn.Module, capacity: int):
     """A `DynamicCache` for `model` whose full-attention layers write into buffers of `capacity`
-    tokens (`_PreallocatedLayer`); other layer kinds (sliding windows, linear attention) are kept."""
+    tokens (`_BufferedLayer`); other layer kinds (sliding windows, linear attention) are kept."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
-        if type(layer) is DynamicLayer:
-            layer.update = _PreallocatedLayer(layer, capacity).update
+    cache.layers = [_BufferedLayer(capacity) if type(x) is DynamicLayer else x for x in cache.layers]
     return cache
 
 
