@@ -77,6 +77,12 @@ class _BufferedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
+        if start and self.keys.data_ptr() != self.key_buffer.data_ptr():
+            # DynamicLayer's batch select, repeat or reorder replaced the views with new tensors (a
+            # crop keeps them): buffers of their batch take them over, or the next step would drop them
+            keys, values = self.keys, self.values
+            self.lazy_initialization(keys, values)
+            self.key_buffer[..., :start, :], self.value_buffer[..., :start, :] = keys, values
         end = start + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"generation fed {end} tokens into a cache sized for {self.capacity}")

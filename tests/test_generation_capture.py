@@ -121,3 +121,35 @@ def test_the_preallocated_cache_gives_the_growing_caches_logits_bit_for_bit(tmp_
     with pytest.raises(RuntimeError, match="cache sized for"), torch.no_grad():
         model(input_ids=steps[0][:, None], attention_mask=torch.cat([m, m.new_ones(3, 1)], 1),
               position_ids=position + 1, past_key_values=cache)  # fmt: skip
+
+
+def test_the_preallocated_cache_follows_a_batch_select_as_the_growing_cache_does(tmp_path):
+    """After `batch_select_indices` (rows 2 and 0 of 3) the buffers hold the selected rows: the next
+    steps' logits equal DynamicCache's exactly (before, the old buffers' rows were read back)."""
+    from transformers import DynamicCache
+
+    from a2d.models.generate import preallocated_cache
+
+    build_random_teacher("llama", 2, 64, 0, tmp_path / "t", "float32")
+    model, tok = load_teacher(tmp_path / "t", device="cpu")
+    prompts = [np.random.default_rng(2).integers(3, 256, size=n).tolist() for n in (5, 9, 4)]
+    ids, mask = left_pad(prompts, tok.pad_token_id, torch.device("cpu"))
+    keep, steps = (
+        torch.tensor([2, 0]),
+        torch.randint(3, 256, (3, 2), generator=torch.Generator().manual_seed(1)),
+    )
+    outs = []
+    for cache in (DynamicCache(config=model.config), preallocated_cache(model, ids.shape[1] + len(steps))):
+        position = (mask.cumsum(-1) - 1).clamp_min(0)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache)
+            cache.batch_select_indices(keep)
+            m, position, logits = mask[keep], position[keep], []
+            for token in steps:
+                m, position = torch.cat([m, m.new_ones(2, 1)], dim=1), position[:, -1:] + 1
+                out = model(
+                    input_ids=token[:, None], attention_mask=m, position_ids=position, past_key_values=cache
+                )
+                logits.append(out.logits[:, -1])
+        outs.append(torch.stack(logits))
+    assert torch.equal(outs[0], outs[1])
